@@ -1,0 +1,1 @@
+"""opd kernels: chunked selective log-softmax and reverse KL (torch on CPU, Triton on GPU)."""

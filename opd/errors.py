@@ -1,0 +1,40 @@
+"""User-facing errors and the CLI wrapper that turns them into one line and exit code 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+import pydantic
+
+T = TypeVar("T")
+
+
+class OpdError(Exception):
+    """A problem the user can fix (bad input, missing file). Printed as one line, exit 2."""
+
+
+def format_validation_error(source: str, err: pydantic.ValidationError) -> str:
+    """One line naming the file, the first bad field and what is allowed."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field (remove it or check its spelling)"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: field '{loc}': {msg}{more}"
+
+
+def cli_main(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a CLI entry point: OpdError -> one line on stderr, exit code 2, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OpdError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapper

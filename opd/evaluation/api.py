@@ -1,0 +1,104 @@
+"""Score an in-memory model on capabilities with lm-eval; results cached by model content hash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from opd.capabilities import EVAL_SPLITS, get_capability
+from opd.errors import OpdError
+from opd.evaluation.heldout import SPLIT_SIZES
+from opd.evaluation.tasks import REPO_EVALS, task_name, write_tasks
+from opd.io import atomic_write_json, state_dict_hash
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+EVAL_VERSION = "1"  # bump when held-out data, prompts or metrics change: invalidates caches
+
+
+@dataclass(frozen=True)
+class Score:
+    score: float
+    stderr: float
+    n: int
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "evals"
+
+
+def _include_path(capabilities: list[str]) -> str:
+    if all((REPO_EVALS / f"{task_name(c, 'test')}.yaml").exists() for c in capabilities):
+        return str(REPO_EVALS)
+    # Capabilities without shipped YAMLs (e.g. reasoning-gym ones) get generated tasks.
+    return str(write_tasks(tempfile.mkdtemp(prefix="opd-tasks-"), capabilities))
+
+
+def evaluate(
+    model,
+    tokenizer,
+    capabilities: list[str],
+    split: str = "val",
+    limit: int | None = None,
+    batch_size: int = 128,
+    use_cache: bool = True,
+    model_hash: str | None = None,
+) -> dict[str, Score]:
+    """Score `model` on each capability's held-out `split` with lm-eval; returns {cap: Score}.
+
+    `limit` scores only the first `limit` items (cheap-first screening). The cache key is the
+    model's content hash, so the same weights are never scored twice on the same task.
+    """
+    if split not in EVAL_SPLITS:
+        raise OpdError(f"split {split!r}: evaluation uses one of {EVAL_SPLITS}")
+    for c in capabilities:
+        get_capability(c)
+    key = model_hash or state_dict_hash(model)
+    results: dict[str, Score] = {}
+    todo = []
+    for c in capabilities:
+        path = cache_dir() / key / f"{task_name(c, split)}-{limit or SPLIT_SIZES[split]}-v{EVAL_VERSION}.json"
+        if use_cache and path.exists():
+            results[c] = Score(**json.loads(path.read_text()))
+        else:
+            todo.append((c, path))
+    if todo:
+        fresh = _run_lm_eval(model, tokenizer, [c for c, _ in todo], split, limit, batch_size)
+        for c, path in todo:
+            results[c] = fresh[c]
+            if use_cache:
+                atomic_write_json(path, asdict(fresh[c]))
+    return {c: results[c] for c in capabilities}
+
+
+def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> dict[str, Score]:
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    for name in ("lm-eval", "lm_eval", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    was_training = model.training
+    model.eval()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+    tm = TaskManager(include_path=_include_path(capabilities), include_defaults=False)
+    names = {task_name(c, split): c for c in capabilities}
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=list(names), task_manager=tm, limit=limit, log_samples=False,
+        verbosity="ERROR",
+    )
+    model.train(was_training)
+    scores = {}
+    for tname, c in names.items():
+        r = out["results"][tname]
+        stderr = r.get("score_stderr,none")
+        scores[c] = Score(
+            score=float(r["score,none"]),
+            stderr=float(stderr) if isinstance(stderr, (int, float)) else float("nan"),
+            n=int(out["n-samples"][tname]["effective"]),
+        )
+    return scores

@@ -1,0 +1,149 @@
+"""Build the lab's base model: pre-train from scratch on a capability mix, keep a *mediocre* checkpoint.
+
+The base must leave room for RL experts, so the kept checkpoint is the one with the most
+capabilities inside the target band on the validation split (not the best or the last one).
+Resumable: a checkpoint is written at every evaluation; rerunning continues from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from opd.capabilities import get_capability
+from opd.errors import OpdError, format_validation_error
+from opd.io import atomic_dir, atomic_torch_save, atomic_write_json, state_dict_hash
+from opd.lab.data import MixtureStream, encode_sft
+from opd.lab.model import ModelShape, build_model
+from opd.lab.schedule import lr_at
+from opd.lab.tokenizer import build_char_tokenizer
+
+DEFAULT_SPEC = Path(__file__).with_name("base.yaml")
+
+
+class BaseSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("lab-base", description="name written into the model card")
+    seed: int = Field(0, description="seed for weights init and the data stream")
+    shape: ModelShape = Field(default_factory=ModelShape)
+    capabilities: list[str] = Field(description="capabilities the lab scores (the base's band is checked on these)")
+    mixture: dict[str, float] = Field(description="pre-training mixture weights per capability")
+    difficulty: dict[str, int] = Field(default_factory=dict, description="difficulty overrides per capability")
+    steps: int = Field(3000, gt=0, description="optimizer steps (upper bound; see patience)")
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(2e-3, gt=0, description="peak learning rate (AdamW)")
+    warmup: int = Field(100, ge=0)
+    lr_floor: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of the peak (cosine)")
+    weight_decay: float = Field(0.0, ge=0)
+    eval_every: int = Field(250, gt=0, description="steps between validation screenings")
+    eval_limit: int = Field(100, gt=0, description="validation items per capability when screening")
+    band: tuple[float, float] = Field((0.12, 0.55), description="target score band for the kept base")
+    threads: int = Field(2, gt=0, description="torch CPU threads")
+
+    @model_validator(mode="after")
+    def _check(self):
+        for c in list(self.capabilities) + list(self.mixture) + list(self.difficulty):
+            get_capability(c)
+        if not 0 <= self.band[0] < self.band[1] <= 1:
+            raise ValueError("band must be (low, high) with 0 <= low < high <= 1")
+        return self
+
+
+def load_base_spec(path: str | Path = DEFAULT_SPEC, **overrides) -> BaseSpec:
+    path = Path(path)
+    if not path.exists():
+        raise OpdError(f"{path}: base spec not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise OpdError(f"{path}: expected a mapping of fields at the top level")
+    raw.update(overrides)
+    try:
+        return BaseSpec.model_validate(raw)
+    except ValidationError as e:
+        raise OpdError(format_validation_error(str(path), e)) from None
+    except OpdError as e:
+        raise OpdError(f"{path}: {e}") from None
+
+
+def band_key(scores: dict[str, float], band: tuple[float, float]) -> tuple:
+    """Rank checkpoints: most capabilities in band, then mean closest to the band's middle."""
+    lo, hi = band
+    inside = sum(lo <= s <= hi for s in scores.values())
+    mean = sum(scores.values()) / max(1, len(scores))
+    return (inside, -abs(mean - (lo + hi) / 2))
+
+
+def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> dict:
+    """Train (or resume) the base; write the kept checkpoint to `out` as an HF model directory."""
+    from opd.evaluation.api import evaluate
+
+    out = Path(out)
+    ckpt_path = out.parent / f".{out.name}.ckpt" / "state.pt"
+    torch.set_num_threads(spec.threads)
+    tok = build_char_tokenizer()
+    model = build_model(spec.shape, tok, spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+    stream = MixtureStream(spec.mixture, spec.difficulty, seed=spec.seed)
+    torch.manual_seed(spec.seed)
+    state = {"step": 0, "best": None, "history": [], "elapsed": 0.0}
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        if ck["spec"] != spec.model_dump(mode="json"):
+            raise OpdError(f"{ckpt_path}: checkpoint was made by another spec; delete it to start over")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optim"])
+        stream.load_state(ck["stream"])
+        torch.set_rng_state(ck["torch_rng"])
+        state = ck["state"]
+        log(f"resuming base build at step {state['step']}")
+    t0 = time.time() - state["elapsed"]
+    model.train()
+    while state["step"] < spec.steps:
+        step = state["step"]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.lr_floor)
+        batch = encode_sft(tok, stream.next_batch(spec.batch_size))
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        state["step"] = step + 1
+        if progress:
+            progress(state["step"], spec.steps, float(loss))
+        if state["step"] % spec.eval_every == 0 or state["step"] == spec.steps:
+            scores = {c: s.score for c, s in evaluate(model, tok, spec.capabilities, "val", limit=spec.eval_limit).items()}
+            key = band_key(scores, spec.band)
+            state["history"].append({"step": state["step"], "loss": float(loss), "val": scores,
+                                     "in_band": key[0], "time": time.time() - t0})
+            if state["best"] is None or key > tuple(state["best"]["key"]):
+                state["best"] = {"key": list(key), "step": state["step"], "val": scores,
+                                 "model": copy.deepcopy(model.state_dict())}
+            log(f"step {state['step']}: loss {float(loss):.3f}, in band {key[0]}/{len(scores)} "
+                + " ".join(f"{c}={s:.2f}" for c, s in scores.items()))
+            state["elapsed"] = time.time() - t0
+            atomic_torch_save({"spec": spec.model_dump(mode="json"), "model": model.state_dict(),
+                               "optim": opt.state_dict(), "stream": stream.state(),
+                               "torch_rng": torch.get_rng_state(), "state": state}, ckpt_path)
+    best = state["best"]
+    model.load_state_dict(best["model"])
+    model.eval()
+    manifest = {
+        "kind": "base", "name": spec.name, "spec": spec.model_dump(mode="json"),
+        "kept_step": best["step"], "val_screen": best["val"], "history": state["history"],
+        "content_hash": state_dict_hash(model), "train_seconds": state["elapsed"],
+    }
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        atomic_write_json(tmp / "manifest.json", manifest)
+    return manifest
