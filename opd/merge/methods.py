@@ -1,0 +1,206 @@
+"""Merge strategies: mergekit's own methods, keyed by mergekit's name, run in memory or as a YAML.
+
+A candidate is one method plus concrete parameters. The same candidate becomes either an
+in-memory `mergekit.merge_methods.merge_state_dicts` call (the search's fast path) or a
+mergekit YAML that `mergekit-yaml` / `run_merge` reproduces tensor for tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from opd.errors import OpdError
+
+BASE_ID = "base"
+# Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
+# "pair" (exactly two models; the first is mergekit's base_model).
+_INPUTS = {
+    "linear": "experts", "karcher": "experts",
+    "task_arithmetic": "base+experts", "ties": "base+experts", "dare_ties": "base+experts",
+    "dare_linear": "base+experts", "della": "base+experts", "della_linear": "base+experts",
+    "breadcrumbs": "base+experts", "breadcrumbs_ties": "base+experts", "model_stock": "base+experts",
+    "sce": "base+experts", "ram": "base+experts", "ramplus_tl": "base+experts",
+    "nuslerp": "base+experts",
+    "slerp": "pair", "nearswap": "pair", "arcee_fusion": "pair",
+}
+# Methods whose result depends on torch's global RNG (DARE's random drop, DELLA's sampling).
+RANDOM_METHODS = {"dare_ties", "dare_linear", "della", "della_linear"}
+# Required per-model parameters get a neutral value when a recipe leaves them out.
+_REQUIRED_DEFAULTS = {"weight": 1.0}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A mergekit method as opd uses it: its inputs and its searchable parameters."""
+
+    name: str
+    inputs: str
+    shared: dict[str, Any]  # parameter -> mergekit default (None when required)
+    per_model: dict[str, Any]
+    pretty: str
+
+    @property
+    def parameters(self) -> list[str]:
+        return list(self.shared) + list(self.per_model)
+
+
+def _build_registry() -> dict[str, Strategy]:
+    from mergekit import merge_methods as mm
+    from mergekit.merge_methods.base import ParameterScope
+
+    out = {}
+    for method in mm.registered_methods():
+        spec = method.spec
+        if spec.name not in _INPUTS:
+            continue  # passthrough stacks layers, it does not consolidate experts
+        shared, per_model = {}, {}
+        for p in spec.parameters:
+            default = None if p.required else p.default
+            (shared if p.scope == ParameterScope.SHARED else per_model)[p.name] = default
+        out[spec.name] = Strategy(spec.name, _INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name)
+    return out
+
+
+STRATEGIES: dict[str, Strategy] = _build_registry()
+
+
+def get_strategy(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise OpdError(f"merge strategy {name!r} is unknown; mergekit methods opd can search: {sorted(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def check_inputs(strategy: Strategy, n_experts: int) -> None:
+    """Refuse a method that cannot take this many experts, before any work is done."""
+    from mergekit import merge_methods as mm
+
+    ids = [f"e{i}" for i in range(n_experts)]
+    if strategy.inputs == "pair":
+        if n_experts not in (1, 2):
+            raise OpdError(f"strategy {strategy.name!r} merges exactly two models (base + 1 expert, or 2 experts);"
+                           f" the recipe has {n_experts} experts")
+        return
+    base = BASE_ID if strategy.inputs == "base+experts" else None
+    try:
+        mm.get(strategy.name).spec.contract.validate_ids(ids + ([BASE_ID] if base else []), base)
+    except ValueError as e:
+        raise OpdError(f"strategy {strategy.name!r} cannot merge {n_experts} experts: {e}") from None
+
+
+class Candidate(BaseModel):
+    """One point of the search space: a method, its shared parameters, per-expert parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    strategy: str
+    shared: dict[str, Any] = Field(default_factory=dict)
+    per_model: dict[str, dict[str, Any]] = Field(default_factory=dict, description="expert -> {param: value}")
+    seed: int = Field(0, description="torch seed for the randomised methods (DARE, DELLA)")
+
+    def label(self) -> str:
+        parts = [f"{k}={_fmt(v)}" for k, v in sorted(self.shared.items())]
+        for e, ps in self.per_model.items():
+            parts.append(f"{e}:" + ",".join(f"{k}={_fmt(v)}" for k, v in sorted(ps.items())))
+        return f"{self.strategy}(" + " ".join(parts) + ")"
+
+
+def _fmt(v):
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _layout(strategy: Strategy, experts: list[str]) -> tuple[list[str], str | None]:
+    """(input ids in order, base id) as mergekit sees them."""
+    if strategy.inputs == "experts":
+        return list(experts), None
+    if strategy.inputs == "pair" and len(experts) == 2:
+        return list(experts), experts[0]
+    return [BASE_ID, *experts], BASE_ID
+
+
+def _per_model_params(cand: Candidate, strategy: Strategy, experts: list[str], ids: list[str], base: str | None):
+    """{param: {id: value}}; the pair methods' base model takes no per-model values."""
+    out = {}
+    for p in strategy.per_model:
+        vals = {e: cand.per_model.get(e, {}).get(p, _REQUIRED_DEFAULTS.get(p)) for e in experts if e != base}
+        vals = {e: v for e, v in vals.items() if v is not None}
+        if vals:
+            out[p] = vals
+    return out
+
+
+def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
+                    expert_sds: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML."""
+    from mergekit.merge_methods import merge_state_dicts
+
+    strategy = get_strategy(cand.strategy)
+    experts = list(expert_sds)
+    ids, base = _layout(strategy, experts)
+    models = {i: (base_sd if i == BASE_ID else expert_sds[i]) for i in ids}
+    params = {**cand.shared, **_per_model_params(cand, strategy, experts, ids, base)}
+    torch.manual_seed(cand.seed)
+    with torch.no_grad():
+        return merge_state_dicts(models, strategy.name, parameters=params, base=base)
+
+
+def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str]) -> dict:
+    """The candidate as a mergekit YAML document (run it with `mergekit-yaml --random-seed <seed>`)."""
+    strategy = get_strategy(cand.strategy)
+    experts = list(expert_paths)
+    ids, base = _layout(strategy, experts)
+    paths = {BASE_ID: base_path, **expert_paths}
+    per = _per_model_params(cand, strategy, experts, ids, base)
+    models = []
+    for i in ids:
+        entry: dict[str, Any] = {"model": paths[i]}
+        ps = {p: v[i] for p, v in per.items() if i in v}
+        if ps:
+            entry["parameters"] = ps
+        models.append(entry)
+    doc: dict[str, Any] = {"merge_method": strategy.name, "models": models, "dtype": "float32"}
+    if base is not None:
+        doc["base_model"] = paths[base]
+    if cand.shared:
+        doc["parameters"] = dict(cand.shared)
+    # The tokenizer is the first input's: the inputs were checked to share one vocabulary.
+    doc["tokenizer_source"] = "base" if base is not None else None
+    if doc["tokenizer_source"] is None:
+        del doc["tokenizer_source"]
+    return doc
+
+
+def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str], base_sd: dict[str, torch.Tensor],
+                    expert_sds: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The candidate's merged weights, equal to what `mergekit-yaml` writes for its YAML.
+
+    Deterministic methods run in memory. The randomised ones draw from torch's RNG tensor by
+    tensor in mergekit's own schedule order, which the in-memory batching does not follow, so
+    they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
+    """
+    if cand.strategy not in RANDOM_METHODS:
+        return merge_in_memory(cand, base_sd, expert_sds)
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory(prefix="opd-merge-") as tmp:
+        run_mergekit(mergekit_config(cand, base_path, expert_paths), tmp, seed=cand.seed, copy_tokenizer=False)
+        out = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+
+def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool = True) -> None:
+    """Run a candidate's YAML through mergekit's own `run_merge` (the reference path)."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    cfg = MergeConfiguration.model_validate(config)
+    run_merge(cfg, out_dir, options=MergeOptions(device="cpu", random_seed=seed, quiet=True,
+                                                     copy_tokenizer=copy_tokenizer))

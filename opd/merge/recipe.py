@@ -1,0 +1,213 @@
+"""Merge recipes: a YAML file (plus `key=value` overrides) becomes a frozen, validated model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from opd.errors import OpdError, format_validation_error
+
+Scalar = bool | int | float | str
+
+
+class Choices(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    choices: list[Scalar] = Field(min_length=1, description="values the search picks from")
+
+
+# A parameter is fixed (a scalar), a [low, high] range, or a set of choices.
+ParamSpec = Scalar | tuple[float, float] | Choices
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    n_trials: int | None = Field(40, gt=0, description="finished trials the study stops at (all workers together)")
+    timeout_s: float | None = Field(None, gt=0, description="wall-clock limit for this process's search")
+
+    @model_validator(mode="after")
+    def _some_limit(self):
+        if self.n_trials is None and self.timeout_s is None:
+            raise ValueError("give n_trials, timeout_s or both")
+        return self
+
+
+class Screening(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    limit: int | None = Field(50, gt=0, description="val items per capability in the cheap first pass (null: off)")
+    margin: float = Field(0.1, ge=0, description="promote to the full val split when min retention on the "
+                          "screen is within this of the best full-val min retention so far")
+    warmup: int = Field(3, ge=0, description="trials always promoted before the margin rule starts")
+
+
+class Objectives(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    per_capability: bool = Field(True, description="one objective per capability: its retention")
+    aggregates: list[Literal["min", "mean"]] = Field(["min"], description="aggregate retention objectives")
+
+    @model_validator(mode="after")
+    def _nonempty(self):
+        if not self.per_capability and not self.aggregates:
+            raise ValueError("no objective left: set per_capability or list an aggregate")
+        return self
+
+
+class MergeRecipe(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="names the run directory and the merged model")
+    base: str = Field("runs/base", description="the base model directory all experts were trained from")
+    experts: list[str] = Field(min_length=1, description="expert names (experts/<name>/) or paths")
+    capabilities: list[str] | None = Field(None, description="capabilities to score (default: each expert's own)")
+    strategies: dict[str, dict[str, ParamSpec]] = Field(
+        min_length=1, description="mergekit method -> {parameter: value | [low, high] | {choices: [...]}}")
+    budget: Budget = Field(default_factory=Budget)
+    objectives: Objectives = Field(default_factory=Objectives)
+    sampler: Literal["tpe", "nsga2", "random"] = Field("tpe", description="Optuna sampler")
+    seed: int = Field(0, description="sampler seed; trial n's randomised merges use seed + n")
+    split: Literal["val", "test"] = Field("val", description="split the search scores on (val only)")
+    screening: Screening = Field(default_factory=Screening)
+    final_candidates: int = Field(8, gt=0, description="most Pareto candidates re-scored on the test split")
+    out: str | None = Field(None, description="run directory (default runs/merge/<name>)")
+    storage: str | None = Field(None, description="Optuna storage URL (default sqlite in the run directory; "
+                                "an RDB URL such as postgresql://... lets several workers share the study)")
+    eval_batch_size: int = Field(64, gt=0)
+    threads: int = Field(1, gt=0, description="torch CPU threads")
+
+    @model_validator(mode="after")
+    def _check(self):
+        from opd.capabilities import get_capability
+        from opd.merge.methods import get_strategy
+
+        if self.split != "val":
+            raise ValueError("the search scores on 'val' only: tuning on the test split would leak it "
+                             "into the scores the report gives")
+        for c in self.capabilities or []:
+            get_capability(c)
+        for name, params in self.strategies.items():
+            strategy = get_strategy(name)
+            for p in params:
+                if p not in strategy.parameters:
+                    raise ValueError(f"strategy {name!r} has no parameter {p!r}; it takes {strategy.parameters}")
+            for p, default in strategy.shared.items():
+                if default is None and p not in params:
+                    raise ValueError(f"strategy {name!r} needs a value or range for {p!r}")
+            for p, v in params.items():
+                if isinstance(v, tuple) and not v[0] <= v[1]:
+                    raise ValueError(f"strategy {name!r}: range for {p!r} must be [low, high]")
+        return self
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out or f"runs/merge/{self.name}")
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise OpdError(f"override {item!r}: expected key=value (dotted keys for nested fields)")
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise OpdError(f"override {item!r}: {p!r} is not a mapping")
+        node[leaf] = yaml.safe_load(value)
+    return raw
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> MergeRecipe:
+    path = Path(path)
+    if not path.exists():
+        raise OpdError(f"{path}: merge recipe not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise OpdError(f"{path}: expected a mapping of fields at the top level")
+    raw.setdefault("name", path.stem)
+    apply_overrides(raw, list(overrides))
+    try:
+        return MergeRecipe.model_validate(raw)
+    except ValidationError as e:
+        raise OpdError(format_validation_error(str(path), e)) from None
+    except OpdError as e:
+        raise OpdError(f"{path}: {e}") from None
+
+
+class MergeInputs:
+    """A recipe's base and experts, loaded and checked compatible: the search's fixed inputs."""
+
+    def __init__(self, base_path: Path, base_model, tokenizer, base_hash: str,
+                 experts: dict[str, Path], manifests: dict, expert_sds: dict, capabilities: list[str]):
+        # A copy: base_model is the scorer's working model, its weights change with each candidate.
+        self.base_sd = {k: v.detach().clone() for k, v in merge_keys(base_model.state_dict()).items()}
+        self.base_path, self.base_model, self.tokenizer, self.base_hash = base_path, base_model, tokenizer, base_hash
+        self.expert_paths, self.manifests, self.expert_sds = experts, manifests, expert_sds
+        self.capabilities = capabilities
+
+
+def merge_keys(sd: dict) -> dict:
+    """Drop tied aliases (lm_head sharing the embedding): mergekit merges each stored tensor once."""
+    seen, out = set(), {}
+    for k, t in sd.items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[k] = t
+    return out
+
+
+def load_inputs(recipe: MergeRecipe) -> MergeInputs:
+    """Load base and experts; refuse incompatible ones (base hash, architecture, shapes, vocab)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from opd.expert.manifest import load_manifest, resolve_expert
+    from opd.io import state_dict_hash
+
+    base_path = Path(recipe.base)
+    if not (base_path / "config.json").exists():
+        raise OpdError(f"base {base_path}: not a model directory (build it with scripts/build_base.py or set base=)")
+    paths = {}
+    for e in recipe.experts:
+        p = resolve_expert(e)
+        name = p.name
+        if name in paths or name == "base":
+            raise OpdError(f"expert {e!r}: the name {name!r} is used twice or reserved; give each expert its own name")
+        paths[name] = p
+    manifests = {n: load_manifest(p) for n, p in paths.items()}
+    base_cfg = AutoConfig.from_pretrained(base_path)
+    for n, p in paths.items():
+        cfg = AutoConfig.from_pretrained(p)
+        if (cfg.model_type, cfg.architectures) != (base_cfg.model_type, base_cfg.architectures):
+            raise OpdError(f"expert {n!r} is a {cfg.architectures} ({cfg.model_type}); the base is a "
+                           f"{base_cfg.architectures} ({base_cfg.model_type}): weight merging needs one architecture")
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    for n, p in paths.items():
+        if AutoTokenizer.from_pretrained(p).get_vocab() != tokenizer.get_vocab():
+            raise OpdError(f"expert {n!r} has a different tokenizer vocabulary from the base {base_path}")
+    base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype="float32")
+    base_hash = state_dict_hash(base_model)
+    for n, m in manifests.items():
+        if m.base.content_hash != base_hash:
+            raise OpdError(f"expert {n!r} was trained from base {m.base.content_hash}, not {base_path} ({base_hash})")
+    base_sd = merge_keys(base_model.state_dict())
+    sds = {}
+    for n, p in paths.items():
+        sd = merge_keys(AutoModelForCausalLM.from_pretrained(p, dtype="float32").state_dict())
+        bad = sorted(k for k in set(base_sd) | set(sd)
+                     if k not in sd or k not in base_sd or sd[k].shape != base_sd[k].shape)
+        if bad:
+            raise OpdError(f"expert {n!r}: tensors missing or shaped unlike the base: {bad[:3]}"
+                           f"{' ...' if len(bad) > 3 else ''}")
+        sds[n] = sd
+    caps = list(recipe.capabilities or dict.fromkeys(m.capability for m in manifests.values()))
+    return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps)

@@ -1,0 +1,255 @@
+"""Merge reports: plots, report.md, a self-contained report.html, the best model's card, live board."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from pathlib import Path
+
+import yaml
+
+from opd.io import atomic_dir, atomic_write_json, atomic_write_text, state_dict_hash
+from opd.merge.interference import as_table
+from opd.merge.methods import mergekit_config
+
+
+class LiveBoard:
+    """Rich progress bar plus a table of the best candidates so far, refreshed after each trial."""
+
+    def __init__(self, study, n_trials: int | None, done: int, enabled: bool = True, top: int = 5):
+        self.study, self.n_trials, self.done, self.enabled, self.top = study, n_trials, done, enabled, top
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        from rich.console import Console, Group
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("merge search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        self.task = self.progress.add_task("trials", total=self.n_trials, completed=self.done)
+        self.live = Live(Group(self.progress, self._table()), console=Console(stderr=True), refresh_per_second=2)
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.live.__exit__(*exc)
+
+    def _table(self):
+        from rich.table import Table
+
+        table = Table(title="best candidates (min retention)")
+        for col in ("trial", "strategy", "stage", "min retention", "retention per capability"):
+            table.add_column(col)
+        done = [t for t in self.study.get_trials(deepcopy=False) if t.values is not None]
+        done.sort(key=lambda t: (t.user_attrs.get("stage") == "full", t.user_attrs.get("min_retention", 0)),
+                  reverse=True)
+        for t in done[: self.top]:
+            ret = t.user_attrs.get("retention", {})
+            table.add_row(str(t.number), t.user_attrs["candidate"]["strategy"], t.user_attrs.get("stage", ""),
+                          f"{t.user_attrs.get('min_retention', float('nan')):.3f}",
+                          " ".join(f"{c}={v:.2f}" for c, v in ret.items()))
+        return table
+
+    def callback(self, study, trial) -> None:
+        if not self.enabled:
+            return
+        from rich.console import Group
+
+        self.progress.advance(self.task)
+        self.live.update(Group(self.progress, self._table()))
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plot_all(summary: dict, matrix: dict) -> dict[str, bytes]:
+    """PNG bytes per plot: retention heatmap, Pareto front, per-strategy best, search history."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = {}
+    cands, caps, vals = as_table(matrix["test"], "retention")
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(caps), 0.8 + 0.4 * len(cands)))
+    im = ax.imshow(vals, cmap="RdYlGn", vmin=0, vmax=max(1.0, max(max(r) for r in vals)), aspect="auto")
+    ax.set_xticks(range(len(caps)), caps)
+    ax.set_yticks(range(len(cands)), cands)
+    for i, row in enumerate(vals):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax, label="retention (test)")
+    ax.set_title("retention vs each capability's expert (test)")
+    plots["retention_heatmap"] = _png(fig)
+
+    trials = summary["trials"]
+    full = [t for t in trials if t["stage"] == "full"]
+    final = {v["trial"] for v in summary["final"].values()}
+    fig, ax = plt.subplots(figsize=(5, 4))
+    mean = [lambda t: sum(t["retention"].values()) / len(t["retention"])][0]
+    ax.scatter([mean(t) for t in trials], [t["min_retention"] for t in trials], c="lightgray", label="screened")
+    ax.scatter([mean(t) for t in full], [t["min_retention"] for t in full], c="tab:blue", label="full val")
+    ax.scatter([mean(t) for t in full if t["number"] in final], [t["min_retention"] for t in full if t["number"] in final],
+               c="tab:red", label="final set")
+    ax.set_xlabel("mean retention (val)")
+    ax.set_ylabel("min retention (val)")
+    ax.legend()
+    ax.set_title("candidates: Pareto set in red")
+    plots["pareto_front"] = _png(fig)
+
+    best: dict[str, float] = {}
+    for t in full:
+        s = t["candidate"]["strategy"]
+        best[s] = max(best.get(s, -math.inf), t["min_retention"])
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(list(best), list(best.values()), color="tab:green")
+    ax.set_ylabel("best min retention (val)")
+    ax.set_title("best candidate per strategy")
+    ax.tick_params(axis="x", rotation=30)
+    plots["strategy_best"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    xs = [t["number"] for t in trials]
+    ys = [t["min_retention"] for t in trials]
+    run, cur = [], -math.inf
+    for t in trials:
+        if t["stage"] == "full":
+            cur = max(cur, t["min_retention"])
+        run.append(cur if cur > -math.inf else float("nan"))
+    ax.scatter(xs, ys, c=["tab:blue" if t["stage"] == "full" else "lightgray" for t in trials], s=12)
+    ax.plot(xs, run, c="tab:red", label="best full-val so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("min retention")
+    ax.legend()
+    ax.set_title("search history")
+    plots["search_history"] = _png(fig)
+    return plots
+
+
+def _md_table(cells, split: str) -> str:
+    cands, caps, _ = as_table(cells)
+    lookup = {(c.candidate, c.capability): c for c in cells}
+    lines = [f"| candidate ({split}) | " + " | ".join(caps) + " |", "|---" * (len(caps) + 1) + "|"]
+    for a in cands:
+        row = [f"{lookup[a, b].score:.3f} ±{lookup[a, b].stderr:.3f} (ret {lookup[a, b].retention:.2f}, "
+               f"Δbase {lookup[a, b].delta_vs_base:+.3f})" for b in caps]
+        lines.append(f"| {a} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _html_table(cells, split: str) -> str:
+    cands, caps, _ = as_table(cells)
+    lookup = {(c.candidate, c.capability): c for c in cells}
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in caps)
+    rows = []
+    for a in cands:
+        tds = []
+        for b in caps:
+            c = lookup[a, b]
+            shade = max(0.0, min(1.0, c.retention))
+            tds.append(f'<td style="background: hsl({int(120 * shade)}, 60%, 85%)">{c.score:.3f} ±{c.stderr:.3f}'
+                       f"<br><small>ret {c.retention:.2f} · Δbase {c.delta_vs_base:+.3f}</small></td>")
+        rows.append(f"<tr><th>{html.escape(a)}</th>{''.join(tds)}</tr>")
+    return (f'<table class="matrix"><caption>interference matrix, {split} split</caption>'
+            f"<tr><th>candidate</th>{head}</tr>{''.join(rows)}</table>")
+
+
+def write_report(recipe, summary: dict, matrix: dict, study=None) -> Path:
+    """Write report.md, report.html (plots inlined as base64) and the PNGs into the run directory."""
+    out = Path(recipe.out_dir)
+    plots = plot_all(summary, matrix)
+    for name, png in plots.items():
+        (out / f"{name}.png").write_bytes(png)
+    final_lines = [f"- **{label}**: `{v['label']}`" for label, v in summary["final"].items()]
+    n_full = sum(t["stage"] == "full" for t in summary["trials"])
+    intro = (f"Recipe `{recipe.name}`: {len(summary['trials'])} finished trials ({n_full} scored on the full val "
+             f"split), objectives {', '.join(summary['objectives'])}. Best (chosen on val): **{summary['best']}**. "
+             "Retention = candidate score / the capability's expert score on the same split.")
+    md = "\n\n".join([
+        f"# Merge report: {recipe.name}", intro, "## Final candidates", "\n".join(final_lines),
+        "## Interference matrix (test)", _md_table(matrix["test"], "test"),
+        "## Interference matrix (val)", _md_table(matrix["val"], "val"),
+        "## Plots", "\n".join(f"![{n}]({n}.png)" for n in plots),
+        "## Inputs", "```json\n" + _json(summary["inputs"]) + "\n```",
+    ]) + "\n"
+    atomic_write_text(out / "report.md", md)
+    imgs = "".join(f'<figure><img alt="{n}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
+                   f"<figcaption>{n.replace('_', ' ')}</figcaption></figure>" for n, p in plots.items())
+    finals = "".join(f"<li><b>{html.escape(label)}</b>: <code>{html.escape(v['label'])}</code></li>"
+                     for label, v in summary["final"].items())
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>merge report: {html.escape(recipe.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display:inline-block;margin:1em}}</style>
+</head><body><h1>Merge report: {html.escape(recipe.name)}</h1><p>{html.escape(intro)}</p>
+<h2>Final candidates</h2><ul>{finals}</ul>
+<h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}
+<h2>Plots</h2>{imgs}<h2>Inputs</h2><pre>{html.escape(_json(summary["inputs"]))}</pre></body></html>
+"""
+    atomic_write_text(out / "report.html", page)
+    return out / "report.html"
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, indent=2, default=str)
+
+
+def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
+    """The best merge as an HF model dir with a model card, its mergekit YAML and provenance."""
+    model = inputs.base_model
+    model.load_state_dict(sd, strict=False)
+    final = recipe.out_dir / "best"
+    doc = mergekit_config(cand, str(Path(inputs.base_path).resolve()),
+                          {e: str(Path(p).resolve()) for e, p in inputs.expert_paths.items()})
+    label = summary["best"]
+    rows = [c for c in summary["matrix"]["test"] if c["candidate"] == label]
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp)
+        inputs.tokenizer.save_pretrained(tmp)
+        (tmp / "mergekit.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        atomic_write_json(tmp / "manifest.json", {
+            "kind": "merged", "name": recipe.name, "candidate": cand.model_dump(mode="json"),
+            "content_hash": state_dict_hash(model), "inputs": summary["inputs"], "recipe": summary["recipe"],
+            "metrics": {"test": {c["capability"]: {k: c[k] for k in ("score", "stderr", "n", "retention")}
+                                 for c in rows}},
+        })
+        scores = "\n".join(f"| {c['capability']} | {c['score']:.3f} ± {c['stderr']:.3f} | {c['retention']:.2f} | "
+                           f"{c['delta_vs_base']:+.3f} |" for c in rows)
+        (tmp / "README.md").write_text(f"""---
+tags: [merge, mergekit, opd]
+---
+# {recipe.name}: merged model
+
+Merged by opd from the base `{summary['inputs']['base']['path']}` ({summary['inputs']['base']['content_hash']})
+and the experts {', '.join(f"`{e}`" for e in summary['inputs']['experts'])}, with mergekit's `{cand.strategy}`.
+Chosen on the validation split by recipe `{recipe.name}`; the scores below are on the test split.
+
+Candidate: `{cand.label()}` (seed {cand.seed}).
+
+| capability | score (test) | retention vs expert | Δ vs base |
+|---|---|---|---|
+{scores}
+
+Reproduce the weights with `mergekit-yaml mergekit.yaml OUT --random-seed {cand.seed}`:
+
+```yaml
+{yaml.safe_dump(doc, sort_keys=False)}```
+
+Recipe:
+
+```yaml
+{yaml.safe_dump(summary['recipe'], sort_keys=False)}```
+""")
+    model.load_state_dict(inputs.base_sd, strict=False)
+    return final

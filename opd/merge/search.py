@@ -1,0 +1,263 @@
+"""The merge search: an Optuna study over mergekit strategies, scored in-process, cheap first.
+
+`run_recipe(recipe)` is the whole run: load and check inputs, score the references, search
+(resumable from the study's storage), re-score the Pareto set on test, write the report and
+the best merged model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+import torch
+
+from opd.errors import OpdError
+from opd.evaluation.api import Score, evaluate
+from opd.io import atomic_write_json, state_dict_hash
+from opd.merge.interference import interference_matrix, pareto_front, retention
+from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate
+from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
+
+
+class Scorer:
+    """Scores state dicts on one reusable model object (no model rebuilt, no subprocess)."""
+
+    def __init__(self, inputs: MergeInputs, batch_size: int):
+        self.model = inputs.base_model
+        self.base_sd = inputs.base_sd
+        self.tokenizer, self.caps, self.batch_size = inputs.tokenizer, inputs.capabilities, batch_size
+        self.calls = 0
+
+    def score(self, sd: dict, split: str, limit: int | None = None, caps: list[str] | None = None) -> dict[str, Score]:
+        self.model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
+        self.calls += 1
+        return evaluate(self.model, self.tokenizer, caps or self.caps, split, limit=limit,
+                        batch_size=self.batch_size, model_hash=state_dict_hash(self.model))
+
+
+@dataclass
+class References:
+    """Per-capability reference scores: the owning expert's, else the base's."""
+
+    screen: dict[str, float] = field(default_factory=dict)
+    val: dict[str, float] = field(default_factory=dict)
+    test: dict[str, float] = field(default_factory=dict)
+    base: dict[str, dict[str, Score]] = field(default_factory=dict)  # split -> cap -> score
+    experts: dict[str, dict[str, dict[str, Score]]] = field(default_factory=dict)  # split -> expert -> cap
+
+
+def score_references(inputs: MergeInputs, scorer: Scorer, screen_limit: int | None) -> References:
+    refs = References()
+    for split in ("val", "test"):
+        refs.base[split] = scorer.score(scorer.base_sd, split)
+        refs.experts[split] = {e: scorer.score(sd, split) for e, sd in inputs.expert_sds.items()}
+    owner = {}
+    for e, m in inputs.manifests.items():
+        if m.capability in inputs.capabilities:
+            best = owner.get(m.capability)
+            if best is None or refs.experts["val"][e][m.capability].score > refs.experts["val"][best][m.capability].score:
+                owner[m.capability] = e
+    for cap in inputs.capabilities:
+        e = owner.get(cap)
+        val, test = (refs.experts["val"][e], refs.experts["test"][e]) if e else (refs.base["val"], refs.base["test"])
+        refs.val[cap], refs.test[cap] = val[cap].score, test[cap].score
+        sd = inputs.expert_sds[e] if e else scorer.base_sd
+        refs.screen[cap] = scorer.score(sd, "val", screen_limit, [cap])[cap].score if screen_limit else refs.val[cap]
+    return refs
+
+
+def objective_names(recipe: MergeRecipe, caps: list[str]) -> list[str]:
+    return ([f"retention:{c}" for c in caps] if recipe.objectives.per_capability else []) + \
+           [f"{a}_retention" for a in recipe.objectives.aggregates]
+
+
+def objective_values(recipe: MergeRecipe, ret: dict[str, float]) -> list[float]:
+    aggs = {"min": min(ret.values()), "mean": sum(ret.values()) / len(ret)}
+    return ([ret[c] for c in ret] if recipe.objectives.per_capability else []) + \
+           [aggs[a] for a in recipe.objectives.aggregates]
+
+
+def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Candidate:
+    """Sample one candidate; every parameter is named `<strategy>.<param>[.<expert>]`."""
+    names = list(recipe.strategies)
+    name = trial.suggest_categorical("strategy", names) if len(names) > 1 else names[0]
+    strategy = get_strategy(name)
+
+    def pick(key: str, spec):
+        if isinstance(spec, tuple):
+            lo, hi = spec
+            default = strategy_default(key)
+            if isinstance(default, int) and not isinstance(default, bool):
+                return trial.suggest_int(key, math.ceil(lo), math.floor(hi))
+            return trial.suggest_float(key, lo, hi)
+        if isinstance(spec, Choices):
+            return trial.suggest_categorical(key, spec.choices)
+        return spec
+
+    def strategy_default(key):
+        p = key.split(".")[1]
+        return strategy.shared.get(p, strategy.per_model.get(p))
+
+    params = recipe.strategies[name]
+    shared = {p: pick(f"{name}.{p}", v) for p, v in params.items() if p in strategy.shared}
+    per_model = {e: {p: pick(f"{name}.{p}.{e}", v) for p, v in params.items() if p in strategy.per_model}
+                 for e in experts}
+    return Candidate(strategy=name, shared=shared, per_model=per_model, seed=recipe.seed + trial.number)
+
+
+def make_sampler(recipe: MergeRecipe) -> optuna.samplers.BaseSampler:
+    if recipe.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=recipe.seed, population_size=8)
+    if recipe.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=recipe.seed)
+    return optuna.samplers.TPESampler(seed=recipe.seed, multivariate=True, group=True, n_startup_trials=6)
+
+
+def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool) -> optuna.Study:
+    """Create the study, or continue it with --resume (or join it as a --worker)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    recipe.out_dir.mkdir(parents=True, exist_ok=True)
+    storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
+    exists = recipe.name in [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    if exists and not (resume or worker):
+        raise OpdError(f"study {recipe.name!r} already exists in {recipe.storage_url}: pass --resume to continue it"
+                       f" or delete {recipe.out_dir} to start over")
+    study = optuna.create_study(study_name=recipe.name, storage=storage, sampler=make_sampler(recipe),
+                                directions=["maximize"] * n_objectives, load_if_exists=True)
+    if exists and resume and not worker:
+        # A killed single-worker run leaves its trial RUNNING forever; it is redone, not kept.
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+    study.set_user_attr("recipe", recipe.model_dump(mode="json"))
+    return study
+
+
+def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+
+
+def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: References, study: optuna.Study,
+               *, live: bool = True) -> None:
+    """The search loop: merge in memory, screen on a val subset, promote to full val, record."""
+    from opd.merge.report import LiveBoard
+
+    experts, caps = list(inputs.expert_paths), inputs.capabilities
+    screen = recipe.screening
+    two_stage = screen.limit is not None
+
+    def objective(trial: optuna.Trial) -> list[float]:
+        cand = suggest(trial, recipe, experts)
+        trial.set_user_attr("candidate", cand.model_dump(mode="json"))
+        sd = merge_candidate(cand, str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()},
+                             inputs.base_sd, inputs.expert_sds)
+        stage, scores = "full", None
+        if two_stage:
+            scores = scorer.score(sd, "val", screen.limit)
+            ret = {c: retention(scores[c].score, refs.screen[c]) for c in caps}
+            full = [t for t in finished(trial.study) if t.user_attrs.get("stage") == "full"]
+            best = max((t.user_attrs["min_retention"] for t in full), default=-math.inf)
+            stage = "full" if len(full) < screen.warmup or min(ret.values()) >= best - screen.margin else "screen"
+        if stage == "full":
+            scores = scorer.score(sd, "val")
+            ret = {c: retention(scores[c].score, refs.val[c]) for c in caps}
+        trial.set_user_attr("stage", stage)
+        trial.set_user_attr("scores", {c: [s.score, s.stderr, s.n] for c, s in scores.items()})
+        trial.set_user_attr("retention", ret)
+        trial.set_user_attr("min_retention", min(ret.values()))
+        return objective_values(recipe, ret)
+
+    done = len(finished(study))
+    budget = recipe.budget
+    remaining = None if budget.n_trials is None else budget.n_trials - done
+    if remaining is not None and remaining <= 0:
+        return
+    callbacks = []
+    if budget.n_trials is not None:
+        callbacks.append(optuna.study.MaxTrialsCallback(budget.n_trials, states=(optuna.trial.TrialState.COMPLETE,)))
+    with LiveBoard(study, budget.n_trials, done, enabled=live) as board:
+        callbacks.append(board.callback)
+        study.optimize(objective, n_trials=remaining, timeout=budget.timeout_s, callbacks=callbacks,
+                       catch=(ValueError, RuntimeError))
+
+
+def final_candidates(recipe: MergeRecipe, study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The full-val Pareto set (best min retention first, capped) plus each strategy's best."""
+    full = {t.number: t for t in finished(study) if t.user_attrs.get("stage") == "full"}
+    if not full:
+        raise OpdError(f"study {recipe.name!r} has no trial scored on the full val split; raise the budget")
+    key = {n: (t.user_attrs["min_retention"], sum(t.values)) for n, t in full.items()}
+    front = sorted(pareto_front({n: t.values for n, t in full.items()}), key=lambda n: key[n], reverse=True)
+    chosen = front[: recipe.final_candidates]
+    per_strategy: dict[str, int] = {}
+    for n in sorted(full, key=lambda n: key[n], reverse=True):
+        per_strategy.setdefault(full[n].user_attrs["candidate"]["strategy"], n)
+    chosen += [n for n in per_strategy.values() if n not in chosen]
+    return [full[n] for n in chosen]
+
+
+def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = False, live: bool = True,
+               log=print) -> dict:
+    """Run a merge recipe end to end; returns the summary also written to <out>/results.json."""
+    from opd.merge.report import save_best_model, write_report
+
+    torch.set_num_threads(recipe.threads)
+    t0 = time.time()
+    inputs = load_inputs(recipe)
+    for name in recipe.strategies:
+        check_inputs(get_strategy(name), len(inputs.expert_paths))
+    study = open_study(recipe, len(objective_names(recipe, inputs.capabilities)), resume, worker)
+    scorer = Scorer(inputs, recipe.eval_batch_size)
+    log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
+    refs = score_references(inputs, scorer, recipe.screening.limit)
+    run_search(recipe, inputs, scorer, refs, study, live=live)
+    if worker:
+        return {"trials": len(finished(study))}
+
+    trials = final_candidates(recipe, study)
+    log(f"re-scoring {len(trials)} final candidates on test")
+    expert_paths = {e: str(p) for e, p in inputs.expert_paths.items()}
+    val_scores, test_scores, cands = {}, {}, {}
+    for t in trials:
+        label = f"#{t.number} {t.user_attrs['candidate']['strategy']}"
+        cand = Candidate.model_validate(t.user_attrs["candidate"])
+        sd = merge_candidate(cand, str(inputs.base_path), expert_paths, inputs.base_sd, inputs.expert_sds)
+        cands[label] = (t, cand)
+        val_scores[label] = {c: Score(*t.user_attrs["scores"][c]) for c in inputs.capabilities}
+        test_scores[label] = scorer.score(sd, "test")
+    for e in inputs.expert_paths:
+        val_scores[f"expert {e}"] = refs.experts["val"][e]
+        test_scores[f"expert {e}"] = refs.experts["test"][e]
+    val_scores["base"], test_scores["base"] = refs.base["val"], refs.base["test"]
+    base_val = {c: s.score for c, s in refs.base["val"].items()}
+    base_test = {c: s.score for c, s in refs.base["test"].items()}
+    matrix = {"val": interference_matrix(val_scores, refs.val, base_val, "val"),
+              "test": interference_matrix(test_scores, refs.test, base_test, "test")}
+    # The best model is chosen on val (the search's split); test only reports it.
+    best_label = next(iter(cands))
+    best_trial, best_cand = cands[best_label]
+    sd = merge_candidate(best_cand, str(inputs.base_path), expert_paths, inputs.base_sd, inputs.expert_sds)
+    summary = {
+        "recipe": recipe.model_dump(mode="json"),
+        "inputs": {"base": {"path": str(inputs.base_path), "content_hash": inputs.base_hash},
+                   "experts": {e: {"path": str(p), "content_hash": inputs.manifests[e].content_hash,
+                                   "capability": inputs.manifests[e].capability}
+                               for e, p in inputs.expert_paths.items()}},
+        "objectives": objective_names(recipe, inputs.capabilities),
+        "trials": [{"number": t.number, "values": t.values, **t.user_attrs} for t in finished(study)],
+        "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}
+                  for label, (t, c) in cands.items()},
+        "best": best_label,
+        "matrix": {s: [cell.__dict__ for cell in cells] for s, cells in matrix.items()},
+        "scorer_calls": scorer.calls,
+    }
+    best_dir = save_best_model(recipe, inputs, best_cand, sd, summary)
+    summary["best_model"] = str(best_dir)
+    write_report(recipe, summary, matrix, study)
+    summary["seconds"] = time.time() - t0
+    atomic_write_json(recipe.out_dir / "results.json", summary)
+    log(f"best: {best_label} -> {best_dir}; report: {Path(recipe.out_dir) / 'report.html'}")
+    return summary

@@ -1,0 +1,163 @@
+"""The merge search end to end on pico experts: outputs, report in a browser, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from test_merge_fakes import PICO, build_fake_lab, write_recipe
+
+from opd.errors import OpdError
+from opd.merge import load_recipe, run_recipe
+from opd.merge.interference import pareto_front, retention
+
+CHROMIUM = "/usr/bin/chromium"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_retention_and_pareto_by_hand():
+    assert retention(0.3, 0.6) == 0.5
+    assert retention(0.2, 0.0) == 1.0  # an expert scoring 0 leaves nothing to lose
+    # 1 dominates 3 (0.9>=0.5, 0.8>=0.7); 0 and 1 and 2 trade off against each other.
+    assert pareto_front({0: [1.0, 0.1], 1: [0.9, 0.8], 2: [0.2, 0.9], 3: [0.5, 0.7]}) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One small search (4 trials, 2 strategies) shared by the output checks."""
+    tmp = tmp_path_factory.mktemp("search")
+    os.environ["OPD_CACHE"] = str(tmp / "cache")
+    lab = build_fake_lab(tmp / "lab")
+    recipe = load_recipe(write_recipe(tmp / "r.yaml", lab, tmp / "out"))
+    torch.set_num_threads(1)
+    return recipe, run_recipe(recipe, live=False, log=lambda *a: None)
+
+
+def test_search_writes_matrix_report_and_best_model(run):
+    recipe, summary = run
+    out = recipe.out_dir
+    assert len(summary["trials"]) == 4 and summary["best"] in summary["final"]
+    cells = summary["matrix"]["test"]
+    assert {c["capability"] for c in cells} == {"add", "rev"}
+    rows = {c["candidate"] for c in cells}
+    assert {"base", "expert add", "expert rev"} <= rows
+    assert {"score", "stderr", "retention", "delta_vs_base", "n"} <= set(cells[0])
+    for name in ("report.md", "report.html", "retention_heatmap.png", "pareto_front.png", "strategy_best.png",
+                 "search_history.png", "results.json"):
+        assert (out / name).stat().st_size > 0, name
+    best = out / "best"
+    card = (best / "README.md").read_text()
+    assert "mergekit-yaml" in card and "score (test)" in card and recipe.name in card
+    assert (best / "mergekit.yaml").exists() and (best / "model.safetensors").exists()
+    manifest = json.loads((best / "manifest.json").read_text())
+    assert manifest["inputs"]["base"]["content_hash"] and manifest["recipe"]["name"] == recipe.name
+
+
+def test_best_model_reproduced_by_mergekit_yaml(run, tmp_path):
+    import yaml
+    from safetensors.torch import load_file
+
+    from opd.merge.methods import run_mergekit
+
+    recipe, _ = run
+    best = recipe.out_dir / "best"
+    seed = json.loads((best / "manifest.json").read_text())["candidate"]["seed"]
+    run_mergekit(yaml.safe_load((best / "mergekit.yaml").read_text()), str(tmp_path / "again"), seed=seed)
+    ours, theirs = load_file(best / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} not installed (apt-get install chromium)")
+def test_report_renders_in_headless_chromium(run, tmp_path):
+    recipe, _ = run
+    html_path = (recipe.out_dir / "report.html").resolve()
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'p'}"]
+    # The check runs in the page: every <img> decoded (naturalWidth > 0) and the tables have cells.
+    probe = tmp_path / "probe.html"
+    probe.write_text(html_path.read_text().replace("</body>", """<script>
+window.addEventListener('load', () => {
+  const imgs = [...document.images];
+  const ok = imgs.length >= 4 && imgs.every(i => i.complete && i.naturalWidth > 0);
+  document.title = 'imgs=' + imgs.length + ' ok=' + ok + ' cells=' + document.querySelectorAll('table td').length;
+});</script></body>"""))
+    dom = subprocess.run(flags + ["--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "imgs=4 ok=true" in dom, dom[:300]
+    assert "cells=0" not in dom and "<table" in dom and "data:image/png;base64," in dom
+
+
+def test_incompatible_experts_are_refused_before_any_work(tmp_path):
+    from opd.lab.model import build_model
+    from opd.lab.tokenizer import build_char_tokenizer
+
+    lab = build_fake_lab(tmp_path / "lab")
+    recipe = write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out")
+    add = lab["experts"]["add"]
+    m = json.loads((add / "manifest.json").read_text())
+
+    def expect(words):
+        with pytest.raises(OpdError, match=words) as e:
+            run_recipe(load_recipe(recipe), live=False)
+        assert "\n" not in str(e.value)
+        assert not (tmp_path / "out" / "study.db").exists()
+
+    (add / "manifest.json").write_text(json.dumps({**m, "base": {**m["base"], "content_hash": "deadbeef"}}))
+    expect("trained from base deadbeef")
+    (add / "manifest.json").write_text(json.dumps(m))
+    vocab = json.loads((add / "tokenizer.json").read_text())
+    vocab["model"]["vocab"]["@"] = len(vocab["model"]["vocab"])
+    (add / "tokenizer.json").write_text(json.dumps(vocab))
+    expect("different tokenizer vocabulary")
+    shutil.copy(lab["experts"]["rev"] / "tokenizer.json", add / "tokenizer.json")
+    build_model(PICO.model_copy(update={"intermediate_size": 48}), build_char_tokenizer(), 0).save_pretrained(add)
+    expect("tensors missing or shaped unlike the base")
+    cfg = json.loads((add / "config.json").read_text())
+    (add / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    expect("weight merging needs one architecture")
+
+
+def _complete(db: Path) -> list[tuple]:
+    if not db.exists():
+        return []
+    try:
+        with sqlite3.connect(db) as c:
+            return c.execute("select number, datetime_start from trials where state='COMPLETE'").fetchall()
+    except sqlite3.OperationalError:
+        return []
+
+
+def test_sigkilled_study_resumes_without_redoing_trials(tmp_path):
+    lab = build_fake_lab(tmp_path / "lab")
+    recipe_path = write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", budget={"n_trials": 8})
+    db = tmp_path / "out" / "study.db"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "opd.merge", "--recipe", str(recipe_path), "--no-live"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while len(_complete(db)) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = _complete(db)
+    assert 2 <= len(before) < 8, "the study must be killed mid-way"
+    with pytest.raises(OpdError, match="--resume"):
+        run_recipe(load_recipe(recipe_path), live=False)
+    run_recipe(load_recipe(recipe_path), resume=True, live=False, log=lambda *a: None)
+    after = _complete(db)
+    assert len(after) == 8
+    assert set(before) <= set(after)  # same trial numbers, same start times: not re-run
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{db}")
+    states = [t.state for t in study.trials]
+    assert optuna.trial.TrialState.RUNNING not in states
+    assert len(study.trials) <= 8 + 1  # at most the one trial the kill interrupted was redone
