@@ -161,3 +161,39 @@ def test_sigkilled_study_resumes_without_redoing_trials(tmp_path):
     states = [t.state for t in study.trials]
     assert optuna.trial.TrialState.RUNNING not in states
     assert len(study.trials) <= 8 + 1  # at most the one trial the kill interrupted was redone
+
+
+class _StubScorer:
+    """Scores each merge by a pseudo-random number fixed by its weights; records every call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def score(self, sd, split, limit=None, caps=None):
+        import random
+
+        from opd.evaluation.api import Score
+
+        self.calls.append((split, limit))
+        rng = random.Random(float(sd["model.layers.0.mlp.up_proj.weight"].sum()))
+        return {c: Score(rng.random(), 0.01, limit or 200) for c in ("add", "rev")}
+
+
+def test_cheap_first_promotes_only_promising_candidates(tmp_path):
+    from opd.merge.recipe import load_inputs
+    from opd.merge.search import References, open_study, run_search
+
+    lab = build_fake_lab(tmp_path / "lab")
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", budget={"n_trials": 12},
+                                      screening={"limit": 5, "margin": 0.0, "warmup": 2}))
+    inputs = load_inputs(recipe)
+    refs = References(screen={"add": 1.0, "rev": 1.0}, val={"add": 1.0, "rev": 1.0})
+    scorer = _StubScorer()
+    study = open_study(recipe, 3, resume=False, worker=False)
+    run_search(recipe, inputs, scorer, refs, study, live=False)
+    trials = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    stages = [t.user_attrs["stage"] for t in trials]
+    assert len(trials) == 12 and stages[:2] == ["full", "full"] and "screen" in stages
+    assert scorer.calls.count(("val", 5)) == 12  # every candidate screened on 5 items
+    assert scorer.calls.count(("val", None)) == stages.count("full")  # only promoted ones on the full split
+    assert all(len(t.values) == 3 for t in trials)  # retention add, retention rev, min retention

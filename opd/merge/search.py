@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +121,7 @@ def make_sampler(recipe: MergeRecipe) -> optuna.samplers.BaseSampler:
 def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool) -> optuna.Study:
     """Create the study, or continue it with --resume (or join it as a --worker)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
     exists = recipe.name in [s.study_name for s in optuna.get_all_study_summaries(storage)]
