@@ -38,3 +38,24 @@ def pico_dir(tmp_path, tokenizer):
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def trained_pico_dir(tmp_path_factory, tokenizer):
+    """A pico model trained for a few seconds on `count`: it scores clearly above 0 but below 1,
+    so score comparisons between evaluation paths mean something."""
+    from opd.lab.data import MixtureStream, encode_sft
+
+    torch.set_num_threads(1)
+    model = build_model(PICO, tokenizer, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    stream = MixtureStream({"count": 1.0}, seed=0)
+    for _ in range(120):
+        loss = model(**encode_sft(tokenizer, stream.next_batch(32))).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    d = tmp_path_factory.mktemp("trained") / "pico-count"
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 # Every prompt hashes into one of 100 buckets. Buckets decide the split, so a held-out prompt can
 # never be generated for training, whatever seed or difficulty the training run uses.

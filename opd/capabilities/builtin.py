@@ -92,8 +92,8 @@ def gen_rot(rng, d):
 
 
 BUILTIN = [
-    Capability("add", "a+b for d-digit operands", gen_add, default_difficulty=3, max_new_tokens=6),
-    Capability("sub", "a-b, a>=b, d-digit operands", gen_sub, default_difficulty=3, max_new_tokens=6),
+    Capability("add", "a+b for d-digit operands", gen_add, default_difficulty=2, max_new_tokens=4, prompt_space=10000),
+    Capability("sub", "a-b, a>=b, d-digit operands", gen_sub, default_difficulty=2, max_new_tokens=4, prompt_space=5000),
     Capability("mul", "d-digit number times one digit", gen_mul, default_difficulty=3, max_new_tokens=6, prompt_space=8000),
     Capability("mod", "d-digit number modulo one digit", gen_mod, default_difficulty=3, max_new_tokens=3, prompt_space=8000),
     Capability("rev", "reverse a word of 3..d letters", gen_rev, default_difficulty=7, max_new_tokens=9),

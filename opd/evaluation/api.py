@@ -76,12 +76,16 @@ def evaluate(
 
 
 def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> dict[str, Score]:
+    import datasets
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     for name in ("lm-eval", "lm_eval", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+    # lm-eval's per-request bars would drown opd's own progress display
+    os.environ.setdefault("TQDM_DISABLE", "1")
     was_training = model.training
     model.eval()
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))

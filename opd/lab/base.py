@@ -119,16 +119,16 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
         opt.step()
         state["step"] = step + 1
         if progress:
-            progress(state["step"], spec.steps, float(loss))
+            progress(state["step"], spec.steps, loss.item())
         if state["step"] % spec.eval_every == 0 or state["step"] == spec.steps:
             scores = {c: s.score for c, s in evaluate(model, tok, spec.capabilities, "val", limit=spec.eval_limit).items()}
             key = band_key(scores, spec.band)
-            state["history"].append({"step": state["step"], "loss": float(loss), "val": scores,
+            state["history"].append({"step": state["step"], "loss": loss.item(), "val": scores,
                                      "in_band": key[0], "time": time.time() - t0})
             if state["best"] is None or key > tuple(state["best"]["key"]):
                 state["best"] = {"key": list(key), "step": state["step"], "val": scores,
                                  "model": copy.deepcopy(model.state_dict())}
-            log(f"step {state['step']}: loss {float(loss):.3f}, in band {key[0]}/{len(scores)} "
+            log(f"step {state['step']}: loss {loss.item():.3f}, in band {key[0]}/{len(scores)} "
                 + " ".join(f"{c}={s:.2f}" for c, s in scores.items()))
             state["elapsed"] = time.time() - t0
             atomic_torch_save({"spec": spec.model_dump(mode="json"), "model": model.state_dict(),

@@ -1,0 +1,108 @@
+"""Train one expert from a spec and register it in experts/<name>/ with its manifest."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import torch
+
+from opd.capabilities import get_capability
+from opd.errors import OpdError
+from opd.evaluation.api import evaluate
+from opd.expert.manifest import EXPERTS_DIR, code_version
+from opd.expert.spec import ExpertSpec
+from opd.io import atomic_dir, atomic_write_json, state_dict_hash
+
+
+def load_base(path: str | Path):
+    """The base as (model, tokenizer); a clear error when it is missing or not a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise OpdError(f"base {p}: not a model directory (no config.json); build the lab base with "
+                       "`python scripts/build_base.py` or point 'base' at an HF model directory")
+    try:
+        config = AutoConfig.from_pretrained(p)
+    except Exception as e:
+        raise OpdError(f"base {p}: unreadable config.json ({e})") from None
+    archs = config.architectures or []
+    if not any(a.endswith("ForCausalLM") for a in archs):
+        raise OpdError(f"base {p}: architecture {archs or config.model_type!r} is not a causal LM "
+                       "(GSPO needs *ForCausalLM, e.g. Qwen3ForCausalLM)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(p)
+    except Exception as e:
+        raise OpdError(f"base {p}: could not be loaded ({type(e).__name__}: {e})") from None
+    return model, tok
+
+
+def base_capabilities(base_dir: Path) -> list[str] | None:
+    mf = Path(base_dir) / "manifest.json"
+    if mf.exists():
+        return json.loads(mf.read_text()).get("spec", {}).get("capabilities")
+    return None
+
+
+def score_matrix(model, tok, caps: list[str], model_hash: str) -> dict:
+    return {split: {c: s.__dict__ for c, s in evaluate(model, tok, caps, split, model_hash=model_hash).items()}
+            for split in ("val", "test")}
+
+
+def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash: str,
+                 out: Path, caps: list[str], log=print) -> dict:
+    model.load_state_dict(state.best_model)
+    model.eval()
+    h = state_dict_hash(model)
+    log(f"scoring the kept checkpoint (step {state.best_step}) on {len(caps)} capabilities with lm-eval ...")
+    metrics = score_matrix(model, tok, caps, h)
+    cap = get_capability(spec.capability)
+    manifest = {
+        "kind": "expert", "name": spec.expert_name, "capability": spec.capability,
+        "content_hash": h, "base": {"path": str(base_dir), "content_hash": base_hash},
+        "reward": "verifier:exact", "spec": spec.model_dump(mode="json"),
+        "data": {"seed": spec.seed, "split": "train", "difficulty": spec.difficulty or cap.default_difficulty,
+                 "heldout": "val/test buckets of opd.capabilities.base.SPLIT_BUCKETS"},
+        "code_version": code_version(), "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "metrics": metrics,
+        "train": {"steps": state.step, "best_step": state.best_step, "best_val_screen": state.best_score,
+                  "seconds": round(state.elapsed, 1), "history": state.history},
+    }
+    version_previous(out)
+    manifest["version"] = _next_version(out)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        atomic_write_json(tmp / "manifest.json", manifest)
+    return manifest
+
+
+def history_dir(out: Path) -> Path:
+    return out.parent / ".history" / out.name
+
+
+def version_previous(out: Path) -> None:
+    """Keep an existing expert as an old version before a new one replaces it."""
+    mf = out / "manifest.json"
+    if not mf.exists():
+        return
+    old = json.loads(mf.read_text())
+    dest = history_dir(out) / f"v{old.get('version', 1)}-{old['content_hash']}"
+    if not dest.exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        import shutil
+
+        shutil.copytree(out, dest)
+
+
+def _next_version(out: Path) -> int:
+    h = history_dir(out)
+    vs = [int(p.name[1:].split("-")[0]) for p in h.glob("v*-*")] if h.exists() else []
+    return max(vs, default=0) + 1
+
+
+def default_out(spec: ExpertSpec) -> Path:
+    return EXPERTS_DIR / spec.expert_name

@@ -1,0 +1,71 @@
+"""The train-expert recipe: parse, set up, train, score, register (called by scripts/train_expert.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from opd.evaluation.api import evaluate
+from opd.expert.build import base_capabilities, default_out, load_base, write_expert
+from opd.expert.spec import ExpertSpec
+from opd.gspo.trainer import train
+from opd.io import state_dict_hash
+
+console = Console(stderr=True)
+
+
+def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False, ckpt_root: Path | None = None) -> dict:
+    torch.set_num_threads(spec.threads)
+    out = Path(out) if out else default_out(spec)
+    base_dir = Path(spec.base)
+    model, tok = load_base(base_dir)
+    base_hash = state_dict_hash(model)
+    caps = spec.score_capabilities or base_capabilities(base_dir) or [spec.capability]
+    if spec.capability not in caps:
+        caps = [spec.capability, *caps]
+    ckpt = (ckpt_root or Path("runs") / "ckpt") / f"expert-{spec.expert_name}" / "state.pt"
+    if fresh and ckpt.parent.exists():
+        shutil.rmtree(ckpt.parent)
+
+    def screen(m) -> float:
+        return evaluate(m, tok, [spec.capability], "val", limit=spec.eval_limit)[spec.capability].score
+
+    wrap = None
+    if spec.deepspeed is not None:
+        from opd.gspo.ds import deepspeed_wrap
+
+        wrap = deepspeed_wrap(spec)
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console) as bar:
+        task = bar.add_task(f"GSPO {spec.expert_name}", total=spec.steps, info="")
+
+        def progress(state, rec):
+            info = (f"reward {rec.get('reward', 0):.2f} informative {rec['informative']:.2f} "
+                    f"clip {rec.get('clip_fraction', 0):.2f} T {rec['temperature']:.2f} "
+                    f"best val {state.best_score:.2f}@{state.best_step}")
+            if "val" in rec:
+                info += f" val {rec['val']:.2f}"
+            bar.update(task, completed=state.step, info=info)
+
+        state = train(spec, model, tok, ckpt, evaluate_fn=screen, log=console.print, progress=progress, wrap=wrap)
+    manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print)
+    base_scores = {c: s.score for c, s in evaluate(load_base(base_dir)[0], tok, caps, "test",
+                                                   model_hash=base_hash).items()}
+    table = Table(title=f"expert {spec.expert_name} (test split, lm-eval)")
+    for col in ("capability", "base", "expert", "delta"):
+        table.add_column(col, justify="right")
+    for c in caps:
+        e = manifest["metrics"]["test"][c]["score"]
+        table.add_row(c + (" *" if c == spec.capability else ""), f"{base_scores[c]:.3f}", f"{e:.3f}",
+                      f"{e - base_scores[c]:+.3f}")
+    Console().print(table)
+    console.print(f"wrote {out} (version {manifest['version']}, {state.step} steps, "
+                  f"best step {state.best_step}, {state.elapsed / 60:.1f} min)")
+    shutil.rmtree(ckpt.parent, ignore_errors=True)
+    return manifest

@@ -1,0 +1,177 @@
+"""The GSPO loop: roll out groups, score them with the capability's verifier, update the policy.
+
+One step = one rollout batch (prompts x group) followed by `updates_per_batch` minibatch updates
+against the logprobs of the policy that sampled it. Resumable: a checkpoint (model, optimizer,
+RNG states, prompt cursor, best-so-far) is written every `checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from opd.capabilities import get_capability
+from opd.expert.spec import ExpertSpec
+from opd.gspo.batch import completion_logits, completion_targets, pad_sequences, token_entropy, token_logprobs
+from opd.gspo.loss import group_advantages, gspo_loss
+from opd.io import atomic_torch_save
+from opd.rollout import SamplingParams, get_engine
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    elapsed: float = 0.0
+    temperature: float = 1.0
+    best_score: float = -1.0
+    best_step: int = 0
+    best_model: dict | None = None
+    history: list[dict] = field(default_factory=list)
+
+
+def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: int):
+    """Sample groups until `min_informative` of them have mixed rewards (or resampling runs out)."""
+    g = spec.gspo
+    params = SamplingParams(temperature=state.temperature,
+                            max_new_tokens=g.max_new_tokens or cap.max_new_tokens + 1, seed=seed)
+    kept, seen, gen_tokens = [], 0, 0
+    for round_ in range(1 + g.max_resample):
+        items = [cap.sample(rng, "train", spec.difficulty) for _ in range(g.prompts_per_step)]
+        groups = engine.generate([it.prompt for it in items], g.group_size,
+                                 SamplingParams(**{**params.__dict__, "seed": seed * 31 + round_}))
+        for it, group in zip(items, groups):
+            rewards = [cap.verify(r.text, it.answer) for r in group]
+            gen_tokens += sum(len(r.completion_ids) for r in group)
+            seen += 1
+            if not g.drop_zero_variance or max(rewards) > min(rewards):
+                kept.append((group, rewards))
+        if len(kept) >= g.min_informative * g.prompts_per_step:
+            break
+    informative = sum(max(r) > min(r) for _, r in kept)
+    return kept[: g.prompts_per_step], informative / max(1, seen), gen_tokens
+
+
+def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backward=None) -> dict:
+    """Updates on one rollout batch; returns the stats GSPO practitioners watch."""
+    g = spec.gspo
+    rollouts = [r for group, _ in kept for r in group]
+    rewards = torch.tensor([rw for _, rw in kept], dtype=torch.float32)  # (P, G)
+    adv = group_advantages(rewards).reshape(-1)  # (P*G,)
+    ids, attn, cmask, plen = pad_sequences([r.prompt_ids for r in rollouts],
+                                           [r.completion_ids for r in rollouts], pad_id)
+    Tc = cmask.shape[1]
+    targets = completion_targets(ids, plen, Tc)
+    engine_lp = torch.zeros_like(cmask)
+    for i, r in enumerate(rollouts):
+        engine_lp[i, : len(r.logprobs)] = torch.tensor(r.logprobs)
+    with torch.no_grad():
+        old_lp = token_logprobs(completion_logits(model, ids, attn, plen, Tc), targets) \
+            if g.recompute_old_logprobs else engine_lp
+        ref_lp = token_logprobs(completion_logits(ref_model, ids, attn, plen, Tc), targets) \
+            if ref_model is not None else None
+    mismatch = ((old_lp - engine_lp).abs() * cmask).sum() / cmask.sum()
+    stats: dict[str, list[float]] = {}
+    order = torch.randperm(len(rollouts))
+    for chunk in order.chunk(g.updates_per_batch):
+        logits = completion_logits(model, ids[chunk], attn[chunk], plen[chunk], Tc)
+        new_lp = token_logprobs(logits, targets[chunk])
+        loss, st = gspo_loss(new_lp, old_lp[chunk], adv[chunk], cmask[chunk], g.eps_low, g.eps_high,
+                             level=g.level, kl_coef=g.kl_coef,
+                             logp_ref=ref_lp[chunk] if ref_lp is not None else None)
+        if backward is None:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), g.grad_clip)
+            opt.step()
+        else:
+            gn = backward(loss)
+        with torch.no_grad():
+            ent = (token_entropy(logits) * cmask[chunk]).sum() / cmask[chunk].sum()
+        for k, v in {**st, "loss": loss, "grad_norm": gn, "entropy": ent}.items():
+            stats.setdefault(k, []).append(float(v))
+    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    out.update(reward=float(rewards.mean()), logprob_mismatch=float(mismatch),
+               trained_tokens=float(cmask.sum()) * g.updates_per_batch)
+    return out
+
+
+def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random, spec: ExpertSpec) -> None:
+    atomic_torch_save({"spec": spec.model_dump(mode="json"), "model": model.state_dict(),
+                       "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
+                       "torch_rng": torch.get_rng_state()}, path)
+
+
+def load_checkpoint(path: Path, model, opt, rng: random.Random, spec: ExpertSpec) -> RunState | None:
+    if not path.exists():
+        return None
+    ck = torch.load(path, weights_only=False)
+    if ck["spec"] != spec.model_dump(mode="json"):
+        return None
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optim"])
+    rng.setstate(ck["rng"])
+    torch.set_rng_state(ck["torch_rng"])
+    return RunState(**ck["state"])
+
+
+def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, log=print,
+          progress=None, wrap=None) -> RunState:
+    """Run GSPO until `steps` or `max_minutes`; returns the state holding the best model.
+
+    `evaluate_fn(model) -> float` screens on validation; `wrap(model, opt) -> (model, opt, backward)`
+    swaps in a DeepSpeed engine.
+    """
+    g = spec.gspo
+    cap = get_capability(spec.capability)
+    opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    ref_model = copy.deepcopy(model).eval() if g.kl_coef > 0 else None
+    rng = random.Random(f"gspo|{spec.capability}|{spec.seed}")
+    torch.manual_seed(spec.seed)
+    state = load_checkpoint(ckpt_path, model, opt, rng, spec)
+    if state is None:
+        state = RunState(temperature=g.temperature)
+        state.best_score = evaluate_fn(model)
+        state.best_model = copy.deepcopy(model.state_dict())
+        log(f"step 0: val {spec.capability} = {state.best_score:.3f}")
+    else:
+        log(f"resuming {spec.expert_name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
+    backward = None
+    if wrap is not None:
+        model, opt, backward = wrap(model, opt)
+    policy = getattr(model, "module", model)
+    engine = get_engine(spec.engine, model=policy, tokenizer=tokenizer, **spec.engine_args)
+    t0 = time.time() - state.elapsed
+    while state.step < spec.steps and time.time() - t0 < spec.max_minutes * 60:
+        t_roll = time.time()
+        kept, share, gen_tokens = _rollout_batch(engine, cap, rng, spec, state, seed=spec.seed * 100_003 + state.step)
+        t_roll = time.time() - t_roll
+        # Stalled groups carry no signal: raise temperature while informative groups are scarce.
+        if share < g.min_informative:
+            state.temperature = min(g.max_temperature, state.temperature * 1.1)
+        elif share > 0.8 and state.temperature > g.temperature:
+            state.temperature = max(g.temperature, state.temperature / 1.1)
+        t_upd = time.time()
+        st = gspo_step(model, opt, ref_model, kept, spec, tokenizer.pad_token_id, backward) if kept else {}
+        t_upd = time.time() - t_upd
+        engine.sync_weights(policy)
+        state.step += 1
+        rec = {"step": state.step, "informative": share, "temperature": state.temperature,
+               "groups": len(kept), "rollout_tok_s": gen_tokens / max(t_roll, 1e-9),
+               "train_tok_s": st.get("trained_tokens", 0) / max(t_upd, 1e-9), **st}
+        if state.step % spec.eval_every == 0:
+            rec["val"] = evaluate_fn(policy)
+            if rec["val"] > state.best_score:
+                state.best_score, state.best_step = rec["val"], state.step
+                state.best_model = copy.deepcopy(policy.state_dict())
+        state.history.append(rec)
+        state.elapsed = time.time() - t0
+        if progress:
+            progress(state, rec)
+        if state.step % spec.checkpoint_every == 0:
+            save_checkpoint(ckpt_path, policy, opt, state, rng, spec)
+    return state

@@ -1,0 +1,54 @@
+"""Build the lab base if needed (cached by spec), then print its lm-eval table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from opd.lab.base import DEFAULT_SPEC, build_base, load_base_spec
+
+console = Console(stderr=True)
+
+
+def build_and_report(spec_path=None, out="runs/base", force=False, overrides=None) -> dict:
+    overrides = {k: yaml.safe_load(v) if isinstance(v, str) else v for k, v in (overrides or {}).items()}
+    spec = load_base_spec(spec_path or DEFAULT_SPEC, **overrides)
+    out = Path(out)
+    mf = out / "manifest.json"
+    manifest = json.loads(mf.read_text()) if mf.exists() else None
+    if manifest and manifest.get("spec") == spec.model_dump(mode="json") and not force:
+        console.print(f"base {out} is up to date (spec unchanged); reusing it")
+    else:
+        with Progress(TextColumn("[bold]pre-training base"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
+                      console=console) as bar:
+            task = bar.add_task("base", total=spec.steps, loss=float("nan"))
+            manifest = build_base(spec, out, progress=lambda s, n, loss: bar.update(task, completed=s, loss=loss),
+                                  log=console.print)
+    return report_base(out, spec.capabilities, spec.band)
+
+
+def report_base(out: Path, capabilities: list[str], band) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.evaluation.api import evaluate
+
+    torch.set_num_threads(torch.get_num_threads())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    scores = evaluate(model, tok, capabilities, "test")
+    table = Table(title=f"lab base {out} — lm-eval, held-out test split")
+    for col in ("capability", "score", "stderr", "n", f"in band {band[0]:.2f}-{band[1]:.2f}"):
+        table.add_column(col, justify="right")
+    for c, s in scores.items():
+        table.add_row(c, f"{s.score:.3f}", f"{s.stderr:.3f}", str(s.n), "yes" if band[0] <= s.score <= band[1] else "no")
+    Console().print(table)
+    inside = sum(band[0] <= s.score <= band[1] for s in scores.values())
+    console.print(f"{inside}/{len(scores)} capabilities in the band")
+    return {c: s.__dict__ for c, s in scores.items()}

@@ -1,0 +1,35 @@
+"""Build (or resume) the tiny lab's base model and print its per-capability lm-eval scores.
+
+    python scripts/build_base.py [--spec opd/lab/base.yaml] [--out runs/base] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from opd.errors import OpdError, cli_main
+
+
+@cli_main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", default=None, help="base spec YAML (default: opd/lab/base.yaml)")
+    ap.add_argument("--out", default="runs/base", help="output HF model directory")
+    ap.add_argument("--force", action="store_true", help="rebuild even if the output exists")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=200 threads=1")
+    args = ap.parse_args(argv)
+
+    from opd.lab.run import build_and_report
+
+    overrides = {}
+    for kv in args.overrides:
+        if "=" not in kv:
+            raise OpdError(f"override {kv!r}: expected key=value, e.g. steps=200")
+        k, v = kv.split("=", 1)
+        overrides[k] = v
+    build_and_report(args.spec, args.out, force=args.force, overrides=overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Train one capability expert with GSPO and register it in experts/<name>/.
+
+    python scripts/train_expert.py experts/count.yaml [key=value ...] [--out DIR]
+
+Kill it at any point: the same command resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from opd.errors import OpdError, cli_main
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", help="expert spec YAML (experts/<capability>.yaml)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. gspo.lr=1e-3 steps=50")
+    ap.add_argument("--out", default=None, help="output directory (default: experts/<name>)")
+    ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+    args = ap.parse_args(argv)
+
+    from opd.expert.run import run_expert
+    from opd.expert.spec import load_expert_spec
+
+    overrides = {}
+    for kv in args.overrides:
+        if "=" not in kv:
+            raise OpdError(f"override {kv!r}: expected key=value, e.g. steps=50")
+        k, v = kv.split("=", 1)
+        overrides[k] = v
+    spec = load_expert_spec(args.spec, **overrides)
+    run_expert(spec, out=Path(args.out) if args.out else None, fresh=args.fresh)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
