@@ -153,6 +153,8 @@ def test_sigkilled_study_resumes_without_redoing_trials(tmp_path):
     assert 2 <= len(before) < 8, "the study must be killed mid-way"
     with pytest.raises(OpdError, match="--resume"):
         run_recipe(load_recipe(recipe_path), live=False)
+    with pytest.raises(OpdError, match="made with other \\['strategies'\\]"):
+        run_recipe(load_recipe(recipe_path, ["strategies.ties.density=[0.1, 0.2]"]), resume=True, live=False)
     run_recipe(load_recipe(recipe_path), resume=True, live=False, log=lambda *a: None)
     after = _complete(db)
     assert len(after) == 8
@@ -161,6 +163,8 @@ def test_sigkilled_study_resumes_without_redoing_trials(tmp_path):
     states = [t.state for t in study.trials]
     assert optuna.trial.TrialState.RUNNING not in states
     assert len(study.trials) <= 8 + 1  # at most the one trial the kill interrupted was redone
+    params = [tuple(sorted(t.params.items())) for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(set(params)) == len(params)  # the resumed sampler does not replay earlier draws
 
 
 class _StubScorer:

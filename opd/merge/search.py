@@ -110,12 +110,19 @@ def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Can
     return Candidate(strategy=name, shared=shared, per_model=per_model, seed=recipe.seed + trial.number)
 
 
-def make_sampler(recipe: MergeRecipe) -> optuna.samplers.BaseSampler:
+def make_sampler(recipe: MergeRecipe, offset: int = 0) -> optuna.samplers.BaseSampler:
+    """`offset` (trials already in the study) shifts the seed, so a resumed or second worker's
+    sampler does not replay the first run's draws."""
+    seed = recipe.seed + offset
     if recipe.sampler == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=recipe.seed, population_size=8)
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
     if recipe.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=recipe.seed)
-    return optuna.samplers.TPESampler(seed=recipe.seed, multivariate=True, group=True, n_startup_trials=6)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=6)
+
+
+# Fields that define the search space and its objectives: a study cannot continue under others.
+SEARCH_FIELDS = ("base", "experts", "capabilities", "strategies", "objectives", "split")
 
 
 def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool) -> optuna.Study:
@@ -124,17 +131,25 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
-    exists = recipe.name in [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(recipe.name)
+    exists = summary is not None
     if exists and not (resume or worker):
         raise OpdError(f"study {recipe.name!r} already exists in {recipe.storage_url}: pass --resume to continue it"
                        f" or delete {recipe.out_dir} to start over")
-    study = optuna.create_study(study_name=recipe.name, storage=storage, sampler=make_sampler(recipe),
+    offset = summary.n_trials if exists else 0
+    study = optuna.create_study(study_name=recipe.name, storage=storage, sampler=make_sampler(recipe, offset),
                                 directions=["maximize"] * n_objectives, load_if_exists=True)
+    mine = recipe.model_dump(mode="json")
+    theirs = study.user_attrs.get("recipe")
+    changed = [f for f in SEARCH_FIELDS if theirs and theirs.get(f) != mine[f]]
+    if changed:
+        raise OpdError(f"study {recipe.name!r} in {recipe.storage_url} was made with other {changed}: "
+                       "restore them, or give the recipe another name or out directory")
     if exists and resume and not worker:
         # A killed single-worker run leaves its trial RUNNING forever; it is redone, not kept.
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-    study.set_user_attr("recipe", recipe.model_dump(mode="json"))
+    study.set_user_attr("recipe", mine)
     return study
 
 
