@@ -98,6 +98,8 @@ window.addEventListener('load', () => {
 
 
 def test_incompatible_experts_are_refused_before_any_work(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from opd.lab.model import build_model
     from opd.lab.tokenizer import build_char_tokenizer
 
@@ -120,6 +122,11 @@ def test_incompatible_experts_are_refused_before_any_work(tmp_path):
     (add / "tokenizer.json").write_text(json.dumps(vocab))
     expect("different tokenizer vocabulary")
     shutil.copy(lab["experts"]["rev"] / "tokenizer.json", add / "tokenizer.json")
+    changed = AutoModelForCausalLM.from_pretrained(add)
+    with torch.no_grad():
+        changed.model.norm.weight.add_(0.5)
+    changed.save_pretrained(add)
+    expect("do not match its manifest's content_hash")
     build_model(PICO.model_copy(update={"intermediate_size": 48}), build_char_tokenizer(), 0).save_pretrained(add)
     expect("tensors missing or shaped unlike the base")
     cfg = json.loads((add / "config.json").read_text())

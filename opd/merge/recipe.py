@@ -202,12 +202,16 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     base_sd = merge_keys(base_model.state_dict())
     sds = {}
     for n, p in paths.items():
-        sd = merge_keys(AutoModelForCausalLM.from_pretrained(p, dtype="float32").state_dict())
+        model = AutoModelForCausalLM.from_pretrained(p, dtype="float32")
+        sd = merge_keys(model.state_dict())
         bad = sorted(k for k in set(base_sd) | set(sd)
                      if k not in sd or k not in base_sd or sd[k].shape != base_sd[k].shape)
         if bad:
             raise OpdError(f"expert {n!r}: tensors missing or shaped unlike the base: {bad[:3]}"
                            f"{' ...' if len(bad) > 3 else ''}")
+        if state_dict_hash(model) != manifests[n].content_hash:
+            raise OpdError(f"expert {n!r}: weights in {p} do not match its manifest's content_hash "
+                           f"{manifests[n].content_hash} (changed after training?)")
         sds[n] = sd
     caps = list(recipe.capabilities or dict.fromkeys(m.capability for m in manifests.values()))
     return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps)

@@ -164,7 +164,7 @@ def _html_table(cells, split: str) -> str:
             f"<tr><th>candidate</th>{head}</tr>{''.join(rows)}</table>")
 
 
-def write_report(recipe, summary: dict, matrix: dict, study=None) -> Path:
+def write_report(recipe, summary: dict, matrix: dict) -> Path:
     """Write report.md, report.html (plots inlined as base64) and the PNGs into the run directory."""
     out = Path(recipe.out_dir)
     plots = plot_all(summary, matrix)

@@ -19,7 +19,7 @@ import torch
 from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
 from opd.io import atomic_write_json, state_dict_hash
-from opd.merge.interference import interference_matrix, pareto_front, retention
+from opd.merge.interference import interference_matrix, pareto_front, retention, to_records
 from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate
 from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
 
@@ -169,8 +169,7 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
     def objective(trial: optuna.Trial) -> list[float]:
         cand = suggest(trial, recipe, experts)
         trial.set_user_attr("candidate", cand.model_dump(mode="json"))
-        sd = merge_candidate(cand, str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()},
-                             inputs.base_sd, inputs.expert_sds)
+        sd = merge(inputs, cand)
         stage, scores = "full", None
         if two_stage:
             scores = scorer.score(sd, "val", screen.limit)
@@ -216,6 +215,28 @@ def final_candidates(recipe: MergeRecipe, study: optuna.Study) -> list[optuna.tr
     return [full[n] for n in chosen]
 
 
+def merge(inputs: MergeInputs, cand: Candidate) -> dict:
+    return merge_candidate(cand, str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()},
+                           inputs.base_sd, inputs.expert_sds)
+
+
+def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, trials: list) -> tuple[dict, dict]:
+    """Score the final candidates on test; the interference matrix on val and test, with the
+    experts and the base as reference rows. Returns ({label: (trial, candidate)}, {split: cells})."""
+    val, test, cands = {}, {}, {}
+    for t in trials:
+        label = f"#{t.number} {t.user_attrs['candidate']['strategy']}"
+        cands[label] = (t, Candidate.model_validate(t.user_attrs["candidate"]))
+        val[label] = {c: Score(*t.user_attrs["scores"][c]) for c in inputs.capabilities}
+        test[label] = scorer.score(merge(inputs, cands[label][1]), "test")
+    for e in inputs.expert_paths:
+        val[f"expert {e}"], test[f"expert {e}"] = refs.experts["val"][e], refs.experts["test"][e]
+    val["base"], test["base"] = refs.base["val"], refs.base["test"]
+    base = {split: {c: s.score for c, s in refs.base[split].items()} for split in ("val", "test")}
+    return cands, {"val": interference_matrix(val, refs.val, base["val"], "val"),
+                   "test": interference_matrix(test, refs.test, base["test"], "test")}
+
+
 def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = False, live: bool = True,
                log=print) -> dict:
     """Run a merge recipe end to end; returns the summary also written to <out>/results.json."""
@@ -236,27 +257,9 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
 
     trials = final_candidates(recipe, study)
     log(f"re-scoring {len(trials)} final candidates on test")
-    expert_paths = {e: str(p) for e, p in inputs.expert_paths.items()}
-    val_scores, test_scores, cands = {}, {}, {}
-    for t in trials:
-        label = f"#{t.number} {t.user_attrs['candidate']['strategy']}"
-        cand = Candidate.model_validate(t.user_attrs["candidate"])
-        sd = merge_candidate(cand, str(inputs.base_path), expert_paths, inputs.base_sd, inputs.expert_sds)
-        cands[label] = (t, cand)
-        val_scores[label] = {c: Score(*t.user_attrs["scores"][c]) for c in inputs.capabilities}
-        test_scores[label] = scorer.score(sd, "test")
-    for e in inputs.expert_paths:
-        val_scores[f"expert {e}"] = refs.experts["val"][e]
-        test_scores[f"expert {e}"] = refs.experts["test"][e]
-    val_scores["base"], test_scores["base"] = refs.base["val"], refs.base["test"]
-    base_val = {c: s.score for c, s in refs.base["val"].items()}
-    base_test = {c: s.score for c, s in refs.base["test"].items()}
-    matrix = {"val": interference_matrix(val_scores, refs.val, base_val, "val"),
-              "test": interference_matrix(test_scores, refs.test, base_test, "test")}
-    # The best model is chosen on val (the search's split); test only reports it.
-    best_label = next(iter(cands))
-    best_trial, best_cand = cands[best_label]
-    sd = merge_candidate(best_cand, str(inputs.base_path), expert_paths, inputs.base_sd, inputs.expert_sds)
+    cands, matrix = rescore_final(inputs, scorer, refs, trials)
+    # The best model is chosen on val (the search's split, Pareto set ordered by min retention); test only reports.
+    best_label, (_, best_cand) = next(iter(cands.items()))
     summary = {
         "recipe": recipe.model_dump(mode="json"),
         "inputs": {"base": {"path": str(inputs.base_path), "content_hash": inputs.base_hash},
@@ -268,12 +271,12 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}
                   for label, (t, c) in cands.items()},
         "best": best_label,
-        "matrix": {s: [cell.__dict__ for cell in cells] for s, cells in matrix.items()},
+        "matrix": {s: to_records(cells) for s, cells in matrix.items()},
         "scorer_calls": scorer.calls,
     }
-    best_dir = save_best_model(recipe, inputs, best_cand, sd, summary)
+    best_dir = save_best_model(recipe, inputs, best_cand, merge(inputs, best_cand), summary)
     summary["best_model"] = str(best_dir)
-    write_report(recipe, summary, matrix, study)
+    write_report(recipe, summary, matrix)
     summary["seconds"] = time.time() - t0
     atomic_write_json(recipe.out_dir / "results.json", summary)
     log(f"best: {best_label} -> {best_dir}; report: {Path(recipe.out_dir) / 'report.html'}")
