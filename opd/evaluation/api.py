@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -83,12 +84,16 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
 
     for name in ("lm-eval", "lm_eval", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    import lm_eval.api.task as lm_task
+    from tqdm import tqdm
+
     datasets.disable_progress_bars()
-    # lm-eval's per-request bars would drown opd's own progress display
-    os.environ.setdefault("TQDM_DISABLE", "1")
+    lm_task.tqdm = functools.partial(tqdm, disable=True)  # per-document context bars
     was_training = model.training
     model.eval()
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+    # lm-eval's per-request bars would drown opd's own progress display
+    lm.generate_until = functools.partial(HFLM.generate_until, lm, disable_tqdm=True)
     tm = TaskManager(include_path=_include_path(capabilities), include_defaults=False)
     names = {task_name(c, split): c for c in capabilities}
     out = lm_eval.simple_evaluate(

@@ -19,7 +19,7 @@ from opd.io import state_dict_hash
 console = Console(stderr=True)
 
 
-def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False, ckpt_root: Path | None = None) -> dict:
+def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -> dict:
     torch.set_num_threads(spec.threads)
     out = Path(out) if out else default_out(spec)
     base_dir = Path(spec.base)
@@ -28,7 +28,8 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False, c
     caps = spec.score_capabilities or base_capabilities(base_dir) or [spec.capability]
     if spec.capability not in caps:
         caps = [spec.capability, *caps]
-    ckpt = (ckpt_root or Path("runs") / "ckpt") / f"expert-{spec.expert_name}" / "state.pt"
+    # next to the output, so two runs writing different outputs never share a checkpoint
+    ckpt = out.parent / f".{out.name}.ckpt" / "state.pt"
     if fresh and ckpt.parent.exists():
         shutil.rmtree(ckpt.parent)
 

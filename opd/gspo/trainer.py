@@ -93,7 +93,7 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
         with torch.no_grad():
             ent = (token_entropy(logits) * cmask[chunk]).sum() / cmask[chunk].sum()
         for k, v in {**st, "loss": loss, "grad_norm": gn, "entropy": ent}.items():
-            stats.setdefault(k, []).append(float(v))
+            stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     out.update(reward=float(rewards.mean()), logprob_mismatch=float(mismatch),
                trained_tokens=float(cmask.sum()) * g.updates_per_batch)
@@ -168,6 +168,10 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
             if rec["val"] > state.best_score:
                 state.best_score, state.best_step = rec["val"], state.step
                 state.best_model = copy.deepcopy(policy.state_dict())
+            log(f"step {state.step}: val {rec['val']:.3f} (best {state.best_score:.3f}@{state.best_step}) "
+                f"reward {rec.get('reward', 0):.3f} informative {share:.2f} clip {rec.get('clip_fraction', 0):.2f} "
+                f"ratio [{rec.get('ratio_min', 1):.4f}, {rec.get('ratio_max', 1):.4f}] T {state.temperature:.2f} "
+                f"{state.elapsed / 60 if state.elapsed else (time.time() - t0) / 60:.1f} min")
         state.history.append(rec)
         state.elapsed = time.time() - t0
         if progress:
