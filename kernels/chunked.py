@@ -137,10 +137,11 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                 else:
                     # The one-hot term only lands on targets inside this block.
                     d = _dlogits_selective_torch(z, c_lse, local.clamp(0, v1 - v0 - 1), g, g * inside)
+                # addmm_ accumulates in place: `grad_w += d.T @ h` would allocate a second (V, H).
                 if need_h:
-                    grad_h[s : s + chunk_size] += d @ w  # (c, H)
+                    grad_h[s : s + chunk_size].addmm_(d, w)  # (c, H)
                 if need_w:
-                    grad_w[v0:v1] += d.T @ h  # (vb, H)
+                    grad_w[v0:v1].addmm_(d.T, h)  # (vb, H)
         return (
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w else None,
@@ -218,9 +219,9 @@ class _ReverseKL(torch.autograd.Function):
             g = grad_out[s:e].float()
             d = ops.dlogits_reverse_kl(zs, zt, g) if ops else _dlogits_reverse_kl_torch(zs, zt, g)
             if need_h:
-                grad_h[s:e] = d @ w
+                grad_h[s:e] = d @ w  # (c, H)
             if need_w:
-                grad_w += d.T @ h
+                grad_w.addmm_(d.T, h)  # (V, H), in place
         return (
             grad_h.to(s_hidden.dtype) if need_h else None,
             grad_w.to(s_weight.dtype) if need_w else None,
