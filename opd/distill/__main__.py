@@ -1,0 +1,32 @@
+"""`python -m opd.distill RUN.yaml [key=value ...] [--fresh] [--no-eval]`: one on-policy distillation run.
+
+Kill it at any point: the same command resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from opd.errors import cli_main
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m opd.distill", description=__doc__)
+    ap.add_argument("run", help="distillation run YAML (fields: opd.distill.config.DistillRun)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. distill.steps=20")
+    ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+    ap.add_argument("--no-eval", action="store_true", help="skip the lm-eval retention checks")
+    args = ap.parse_intermixed_args(argv)
+
+    import sys
+
+    from opd.distill.config import load_run
+    from opd.distill.run import run_distill
+
+    run_distill(load_run(args.run, args.overrides), log=lambda m: print(m, file=sys.stderr, flush=True),
+                fresh=args.fresh, evaluate=not args.no_eval)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""One OPD rollout batch: student samples, routed teacher scores, and the tensors the update needs."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from opd.capabilities import get_capability
+from opd.distill.routing import Routes
+from opd.distill.teachers import Teacher, completion_hidden
+from opd.gspo.batch import completion_logits, completion_targets, pad_sequences, token_logprobs
+from opd.rollout import SamplingParams
+
+
+@dataclass
+class OpdBatch:
+    """B = prompts x group rows, T completion tokens, K teachers (in `names` order), N real tokens."""
+
+    ids: torch.Tensor  # (B, L) prompt + completion, right-padded
+    attn: torch.Tensor  # (B, L)
+    cmask: torch.Tensor  # (B, T)
+    plen: torch.Tensor  # (B,)
+    targets: torch.Tensor  # (B, T) the sampled completion tokens
+    old_lp: torch.Tensor  # (B, T) student log-probs at sampling time
+    teacher_lp: torch.Tensor  # (K, B, T) each teacher's log-prob of the sampled tokens (0 where unrouted)
+    weights: torch.Tensor  # (K, B) teacher k's share of row b's target (columns sum to 1)
+    rewards: torch.Tensor  # (P, G) verifier rewards
+    row_caps: list[str]  # (B,) capability of each row
+    names: list[str]  # (K,) teacher names
+    gen_tokens: int
+
+
+def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Random, *, prompts: int, group: int,
+                 temperature: float, max_new_tokens: int | None, seed: int):
+    """Draw prompts from the routed capabilities by `mix` and sample `group` completions each.
+    Returns (items, groups) with groups[i][j] sample j of items[i]."""
+    caps = rng.choices(list(mix), weights=list(mix.values()), k=prompts)
+    items = [get_capability(c).sample(rng, "train") for c in caps]
+    cap_tokens = max(get_capability(c).max_new_tokens for c in routes) + 1
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens or cap_tokens, seed=seed)
+    return items, engine.generate([it.prompt for it in items], group, params)
+
+
+@torch.no_grad()
+def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Routes, pad_id: int) -> OpdBatch:
+    """Score every student token under each routed teacher and under the student itself."""
+    rollouts = [r for g in groups for r in g]
+    row_caps = [it.capability for it, g in zip(items, groups) for _ in g]
+    rewards = torch.tensor([[get_capability(it.capability).verify(r.text, it.answer) for r in g]
+                            for it, g in zip(items, groups)], dtype=torch.float32)  # (P, G)
+    ids, attn, cmask, plen = pad_sequences([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
+    B, T = cmask.shape
+    targets = completion_targets(ids, plen, T)
+    old_lp = token_logprobs(completion_logits(student, ids, attn, plen, T), targets) * cmask  # (B, T)
+    names = sorted({t for ts in routes.values() for t in ts})
+    teacher_lp = torch.zeros(len(names), B, T)
+    weights = torch.zeros(len(names), B)
+    for k, name in enumerate(names):
+        rows = [b for b, c in enumerate(row_caps) if name in routes.get(c, {})]
+        if not rows:
+            continue
+        scored = teachers[name].engine.score([rollouts[b].prompt_ids for b in rows],
+                                             [rollouts[b].completion_ids for b in rows])
+        for b, lps in zip(rows, scored):
+            teacher_lp[k, b, : len(lps)] = torch.tensor(lps)
+            weights[k, b] = routes[row_caps[b]][name]
+    return OpdBatch(ids, attn, cmask, plen, targets, old_lp, teacher_lp, weights, rewards, row_caps, names,
+                    gen_tokens=int(cmask.sum()))
+
+
+@torch.no_grad()
+def teacher_hidden(batch: OpdBatch, teachers: dict[str, Teacher]) -> list[torch.Tensor]:
+    """Per teacher, its final hidden states at every real token (N, H), zeros on tokens it does not
+    serve: the full estimator's constant targets, computed once per batch on the routed rows only."""
+    real = batch.cmask.bool()  # (B, T)
+    tok_index = torch.full(real.shape, -1, dtype=torch.long)
+    tok_index[real] = torch.arange(int(real.sum()))
+    out = []
+    T = batch.cmask.shape[1]
+    for k, name in enumerate(batch.names):
+        model = teachers[name].model
+        if model is None:
+            raise ValueError(f"teacher {name!r} has no in-process model: the full estimator needs its hidden states")
+        rows = batch.weights[k].nonzero().squeeze(1)
+        h = torch.zeros(int(real.sum()), model.config.hidden_size)
+        if len(rows):
+            hk = completion_hidden(model, batch.ids[rows], batch.attn[rows], batch.plen[rows], T)  # (b, T, H)
+            h[tok_index[rows][real[rows]]] = hk[real[rows]].float()
+        out.append(h)
+    return out

@@ -1,0 +1,114 @@
+"""On-policy distillation settings: the loop's knobs and a standalone run's inputs, as frozen models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from opd.errors import OpdError, format_validation_error
+
+Estimator = Literal["sampled", "full"]
+
+
+class TeacherRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    expert: str = Field(description="expert name (experts/<name>/) or path")
+    weight: float = Field(1.0, gt=0, description="share of this teacher in its capability's KL target")
+
+
+class DistillConfig(BaseModel):
+    """How the student learns from its teachers. Every field has a default a pico model trains with."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    estimator: Estimator = Field("sampled", description="'sampled': per-token advantage -(log pi_s - log pi_t) "
+                                 "in the GSPO-token loss; 'full': exact full-vocabulary reverse KL per token")
+    steps: int = Field(50, gt=0, description="rollout batches (one optimizer pass each)")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
+    prompts_per_step: int = Field(16, gt=0, description="prompts drawn per step, over all routed capabilities")
+    group_size: int = Field(4, gt=0, description="student samples per prompt (the verifier reward is "
+                            "group-normalised, so mixing it in needs >= 2)")
+    max_new_tokens: int | None = Field(None, gt=0, description="sampling cap (default: the largest routed "
+                                       "capability's max_new_tokens + 1)")
+    temperature: float = Field(1.0, gt=0, description="student sampling temperature")
+    updates_per_batch: int = Field(1, gt=0, description="minibatch updates per rollout batch")
+    eps_low: float = Field(0.2, ge=0, description="GSPO-token clip below 1 (sampled estimator)")
+    eps_high: float = Field(0.28, ge=0, description="GSPO-token clip above 1 (sampled estimator)")
+    reward_weight: float = Field(0.0, ge=0, description="weight of the capability's group-normalised verifier "
+                                 "reward added to the distillation advantage (0: pure distillation)")
+    grad_clip: float = Field(1.0, gt=0)
+    routes: dict[str, list[TeacherRef]] | None = Field(
+        None, description="capability -> teachers (default: each teacher serves its manifest's capability)")
+    mix: dict[str, float] | None = Field(None, description="capability -> prompt share (default: each "
+                                         "capability's summed teacher weight)")
+    checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
+    eval_every: int = Field(0, ge=0, description="steps between retention checks on val (0: only at the end)")
+    eval_limit: int | None = Field(50, gt=0, description="val items per capability in a retention check")
+    kernel_chunk: int = Field(1024, gt=0, description="tokens per chunk in the full-vocabulary kernels")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self):
+        from opd.capabilities import get_capability
+
+        for cap in list(self.routes or {}) + list(self.mix or {}):
+            get_capability(cap)
+        for cap, teachers in (self.routes or {}).items():
+            if not teachers:
+                raise ValueError(f"routes.{cap}: list at least one teacher")
+        if self.reward_weight > 0 and self.group_size < 2:
+            raise ValueError("reward_weight > 0 needs group_size >= 2 (rewards are group-normalised)")
+        return self
+
+
+class DistillRun(BaseModel):
+    """A standalone OPD job (`python -m opd.distill run.yaml`): inputs, student init, settings, output."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="names the output directory")
+    base: str = Field("runs/base", description="the base model all teachers were trained from")
+    teachers: list[str] = Field(min_length=1, description="expert names (experts/<name>/) or paths")
+    student: str = Field("base", description="'base', or a model directory (e.g. runs/merge/<name>/best)")
+    student_merge: dict[str, Any] | None = Field(
+        None, description="init the student from this weight-space merge of the teachers: "
+        "{strategy, shared, per_model, seed} as in opd.merge.methods.Candidate")
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    out: str | None = Field(None, description="output directory (default runs/distill/<name>)")
+    threads: int = Field(1, gt=0, description="torch CPU threads")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.student_merge is not None and self.student != "base":
+            raise ValueError("give student (a model directory) or student_merge, not both")
+        return self
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out or f"runs/distill/{self.name}")
+
+
+def load_run(path: str | Path, overrides: list[str] = ()) -> DistillRun:
+    """A run YAML (plus dotted `key=value` overrides) as a validated DistillRun; errors name the file."""
+    from opd.merge.recipe import apply_overrides
+
+    path = Path(path)
+    if not path.exists():
+        raise OpdError(f"{path}: distillation run file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise OpdError(f"{path}: expected a mapping of fields at the top level")
+    raw.setdefault("name", path.stem)
+    apply_overrides(raw, list(overrides))
+    try:
+        return DistillRun.model_validate(raw)
+    except ValidationError as e:
+        raise OpdError(format_validation_error(str(path), e)) from None
+    except OpdError as e:
+        raise OpdError(f"{path}: {e}") from None

@@ -1,0 +1,185 @@
+"""The on-policy distillation loop: the student samples, its capability's teachers score, the student
+moves towards them by per-token reverse KL.
+
+One step = one rollout batch over all routed capabilities, then `updates_per_batch` minibatch
+updates. Resumable like GSPO: model, optimizer, RNG states and history are checkpointed every
+`checkpoint_every` steps; rerunning with the same config continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from opd_kernels import reverse_kl, selective_log_softmax
+
+from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_hidden
+from opd.distill.config import DistillConfig
+from opd.distill.losses import (
+    mix_teacher_logprobs,
+    reward_mixed_advantages,
+    sampled_advantages,
+    scatter_tokens,
+    sequence_mean_loss,
+)
+from opd.distill.routing import Routes, prompt_mix
+from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
+from opd.gspo.loss import group_advantages, gspo_loss, masked_mean
+from opd.io import atomic_torch_save
+from opd.rollout import get_engine
+
+
+@dataclass
+class DistillState:
+    step: int = 0
+    elapsed: float = 0.0
+    gen_tokens: int = 0  # student tokens sampled so far (the cost the bench compares)
+    history: list[dict] = field(default_factory=list)
+
+
+def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher]) -> dict:
+    """Minibatch updates on one batch; returns loss, clip and per-teacher KL statistics."""
+    cmask, real = batch.cmask, batch.cmask.bool()
+    tok_index = torch.full(real.shape, -1, dtype=torch.long)  # (B, T) -> index among the N real tokens
+    tok_index[real] = torch.arange(int(real.sum()))
+    reward_adv = group_advantages(batch.rewards).reshape(-1)  # (B,)
+    if cfg.estimator == "sampled":
+        adv = sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights), cmask)
+        if cfg.reward_weight > 0:
+            adv = reward_mixed_advantages(adv, reward_adv, cfg.reward_weight, cmask)
+    else:
+        t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
+    stats: dict[str, list[float]] = {}
+    for rows in torch.randperm(len(cmask)).chunk(cfg.updates_per_batch):
+        m, r = cmask[rows], real[rows]
+        h = completion_hidden(student, batch.ids[rows], batch.attn[rows], batch.plen[rows], cmask.shape[1])[r]  # (n, H)
+        W = lm_head_weight(student)  # (V, H)
+        new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
+        if cfg.estimator == "sampled":
+            loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
+        else:
+            kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
+            loss = sequence_mean_loss(scatter_tokens(kl, m), m)
+            if cfg.reward_weight > 0:
+                pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows], m, cfg.eps_low, cfg.eps_high)
+                loss = loss + cfg.reward_weight * pg
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip)
+        opt.step()
+        for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
+            stats.setdefault(k, []).append(v)
+    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    if cfg.estimator == "sampled":  # unbiased estimate of each teacher's reverse KL on this batch
+        for k, name in enumerate(batch.names):
+            served = (batch.weights[k] > 0)[:, None] & real  # (B, T)
+            if served.any():
+                out[f"kl/{name}"] = float(masked_mean(batch.old_lp - batch.teacher_lp[k], served.float()))
+    return out
+
+
+def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
+    """Exact sum_k w_k KL(pi_s || pi_k) per real token of `rows` (n,), and each teacher's mean KL."""
+    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
+    kl = torch.zeros(h.shape[0])
+    st = {}
+    for k, name in enumerate(batch.names):
+        w = batch.weights[k, row_of_tok]  # (n,)
+        sel = (w > 0).nonzero().squeeze(1)
+        if not len(sel):
+            continue
+        kl_k = reverse_kl(h[sel], W, t_hidden[k][tok[sel]], lm_head_weight(teachers[name].model).detach(),
+                          chunk_size=chunk)  # (n_k,)
+        kl = kl.index_add(0, sel, w[sel] * kl_k)
+        st[f"kl/{name}"] = float(kl_k.detach().mean())
+    return kl, st
+
+
+# Fields that do not change the trajectory up to a given step: a run may resume under new values
+# (e.g. more steps to extend it).
+RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit"}
+
+
+def _identity(cfg: DistillConfig) -> dict:
+    return cfg.model_dump(mode="json", exclude=RESUMABLE_FIELDS)
+
+
+def save_checkpoint(path: Path, student, opt, state: DistillState, rng: random.Random, cfg: DistillConfig) -> None:
+    atomic_torch_save({"config": _identity(cfg), "model": student.state_dict(),
+                       "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
+                       "torch_rng": torch.get_rng_state()}, path)
+
+
+def load_checkpoint(path: Path, student, opt, rng: random.Random, cfg: DistillConfig) -> DistillState | None:
+    """The saved state when `path` holds a checkpoint of this config (up to RESUMABLE_FIELDS), else None."""
+    if not path.exists():
+        return None
+    ck = torch.load(path, weights_only=False)
+    if ck["config"] != _identity(cfg):
+        return None
+    student.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optim"])
+    rng.setstate(ck["rng"])
+    torch.set_rng_state(ck["torch_rng"])
+    return DistillState(**ck["state"])
+
+
+def retention_record(scores: dict[str, float], references: dict[str, float]) -> dict:
+    """Score / teacher's own score per capability (1 where the teacher scores 0), plus the minimum."""
+    ret = {c: (s / references[c] if references.get(c, 0) > 0 else 1.0) for c, s in scores.items()}
+    return {**{f"val/{c}": s for c, s in scores.items()}, **{f"retention/{c}": v for c, v in ret.items()},
+            "min_retention": min(ret.values()) if ret else float("nan")}
+
+
+def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher], routes: Routes,
+            ckpt_path: Path | None = None, *, evaluate_fn: Callable[[object], dict[str, float]] | None = None,
+            references: dict[str, float] | None = None, teacher_weights: dict[str, float] | None = None,
+            log=print, progress=None) -> DistillState:
+    """Train `student` in place for `cfg.steps` steps; returns the state with the per-step history.
+
+    routes: capability -> {teacher: weight} (see `opd.distill.routing.resolve_routes`).
+    evaluate_fn(student) -> {capability: val score}, run every `eval_every` steps and at the end;
+    with `references` (each capability's teacher score) the records carry retention.
+    """
+    mix = prompt_mix(routes, cfg.mix, teacher_weights)
+    student.train()
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    rng = random.Random(f"opd|{cfg.seed}")
+    torch.manual_seed(cfg.seed)
+    state = load_checkpoint(ckpt_path, student, opt, rng, cfg) if ckpt_path else None
+    if state is None:
+        state = DistillState()
+    else:
+        log(f"resuming distillation at step {state.step}")
+    engine = get_engine("embedded", model=student, tokenizer=tokenizer)
+    t0 = time.time() - state.elapsed
+    while state.step < cfg.steps:
+        items, groups = sample_batch(engine, routes, mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
+                                     temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                     seed=cfg.seed * 100_003 + state.step)
+        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id)
+        rec = {"step": state.step + 1, **opd_step(student, opt, batch, cfg, teachers)}
+        for cap in dict.fromkeys(batch.row_caps):
+            rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
+            rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
+        state.step += 1
+        state.gen_tokens += batch.gen_tokens
+        rec["gen_tokens"] = state.gen_tokens
+        last = state.step == cfg.steps
+        if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
+            rec.update(retention_record(evaluate_fn(student), references or {}))
+            student.train()
+        state.elapsed = time.time() - t0
+        state.history.append(rec)
+        kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))
+        log(f"opd step {state.step}/{cfg.steps}: loss {rec['loss']:.4f} KL {kls}"
+            + (f" min retention {rec['min_retention']:.3f}" if "min_retention" in rec else ""))
+        if progress:
+            progress(state, rec)
+        if ckpt_path and (last or state.step % cfg.checkpoint_every == 0):
+            save_checkpoint(ckpt_path, student, opt, state, rng, cfg)
+    return state

@@ -1,0 +1,56 @@
+"""Reverse-KL distillation maths: pure tensor functions.
+
+Shapes: B sequences (student samples), T completion tokens (right-padded; `mask` is 1 on real
+tokens), K teachers, V vocabulary, N = number of real tokens (mask.sum()).
+
+The student pi_s is trained towards KL(pi_s || pi_t) on its own samples (on-policy, mode-seeking).
+With several teachers for one prompt the target is sum_k w_k KL(pi_s || pi_k), sum_k w_k = 1, which
+equals KL(pi_s || geometric mixture of the teachers) up to a constant that does not depend on pi_s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.gspo.loss import masked_mean
+
+
+def mix_teacher_logprobs(teacher_lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k w_kb * teacher_lp_kbt: the log-prob target of each sampled token.
+
+    teacher_lp: (K, B, T); weights: (K, B), each column summing to 1 (0 where teacher k does not
+    serve row b) -> (B, T).
+    """
+    return (weights[:, :, None] * teacher_lp).sum(0)
+
+
+def sampled_advantages(logp_student: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantage A_t = -(log pi_s(y_t) - log pi_t(y_t)), zero on padding.
+
+    (B, T) x 3 -> (B, T). On samples y ~ pi_s, E[log pi_s - log pi_t] is the per-token reverse KL,
+    and E[A grad log pi_s] = -grad KL (the score function has zero mean), so a policy-gradient step
+    on A descends the reverse KL. logp_student must come from the sampling policy (no grad).
+    """
+    return -(logp_student - logp_teacher) * mask.to(logp_student.dtype)
+
+
+def reward_mixed_advantages(token_adv: torch.Tensor, seq_reward_adv: torch.Tensor, weight: float,
+                            mask: torch.Tensor) -> torch.Tensor:
+    """token_adv + weight * seq_reward_adv broadcast over each sequence's tokens.
+
+    token_adv: (B, T); seq_reward_adv: (B,) group-normalised verifier rewards -> (B, T).
+    """
+    return token_adv + weight * seq_reward_adv[:, None].to(token_adv.dtype) * mask.to(token_adv.dtype)
+
+
+def sequence_mean_loss(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each sequence's real tokens, then over sequences, as the GSPO-token loss averages:
+    (B, T) -> scalar."""
+    return masked_mean(per_token, mask, dim=1).mean()
+
+
+def scatter_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Put per-token values (N,) back in the padded layout (B, T), zero on padding."""
+    out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+    out[mask.bool()] = values
+    return out

@@ -1,0 +1,107 @@
+"""The standalone OPD recipe: load base, teachers and student init; distill; score; write the student."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from opd.distill.config import DistillRun
+from opd.distill.loop import DistillState, distill
+from opd.distill.routing import resolve_routes
+from opd.distill.teachers import Teacher, embedded_teacher
+from opd.errors import OpdError
+from opd.io import atomic_dir, atomic_write_json, state_dict_hash
+
+
+def load_teachers(names: list[str], tokenizer) -> tuple[dict[str, Teacher], dict[str, dict]]:
+    """Each expert as a frozen in-process teacher, and its manifest (as a dict) by teacher name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.expert.manifest import load_manifest, resolve_expert
+
+    teachers, manifests = {}, {}
+    for n in names:
+        path = resolve_expert(n)
+        m = load_manifest(path)
+        if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+            raise OpdError(f"teacher {path.name!r}: its tokenizer differs from the student's; per-token KL needs one vocabulary")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        teachers[path.name] = embedded_teacher(path.name, m.capability, model, tokenizer)
+        manifests[path.name] = {"path": str(path), **m.model_dump(mode="json")}
+    return teachers, manifests
+
+
+def teacher_references(routes, manifests: dict[str, dict]) -> dict[str, float]:
+    """Each routed capability's reference val score: the best of its teachers' own (from their manifests)."""
+    refs = {}
+    for cap, ts in routes.items():
+        scores = [manifests[t]["metrics"].get("val", {}).get(cap, {}).get("score") for t in ts]
+        scores = [s for s in scores if s is not None]
+        if scores:
+            refs[cap] = max(scores)
+    return refs
+
+
+def init_student(run: DistillRun, teachers: dict[str, Teacher], manifests: dict[str, dict]):
+    """The student's starting weights: the base, a model directory, or a weight-space merge of the teachers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.merge.methods import Candidate, merge_candidate
+    from opd.merge.recipe import merge_keys
+
+    src = run.base if run.student == "base" else run.student
+    if not (Path(src) / "config.json").exists():
+        raise OpdError(f"student {src}: not a model directory")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="float32")
+    tok = AutoTokenizer.from_pretrained(src)
+    if run.student_merge is not None:
+        cand = Candidate.model_validate(run.student_merge)
+        base_sd = {k: v.detach().clone() for k, v in merge_keys(model.state_dict()).items()}
+        sds = {n: merge_keys(t.model.state_dict()) for n, t in teachers.items()}
+        merged = merge_candidate(cand, run.base, {n: manifests[n]["path"] for n in teachers}, base_sd, sds)
+        model.load_state_dict(merged, strict=False)  # tied lm_head follows the embedding
+    return model, tok
+
+
+def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool = True) -> dict:
+    """Parse-setup-train-save: returns the manifest written to <out>/manifest.json."""
+    from transformers import AutoTokenizer
+
+    from opd.evaluation.api import evaluate as lm_eval_score
+
+    torch.set_num_threads(run.threads)
+    out = run.out_dir
+    tok0 = AutoTokenizer.from_pretrained(run.base)
+    teachers, manifests = load_teachers(run.teachers, tok0)
+    student, tok = init_student(run, teachers, manifests)
+    init_hash = state_dict_hash(student)
+    routes = resolve_routes({n: t.capability for n, t in teachers.items()}, run.distill.routes)
+    caps = list(routes)
+    refs = teacher_references(routes, manifests)
+    ckpt = out.parent / f".{out.name}.ckpt" / "state.pt"
+    if fresh and ckpt.parent.exists():
+        shutil.rmtree(ckpt.parent)
+
+    def screen(m) -> dict[str, float]:
+        return {c: s.score for c, s in lm_eval_score(m, tok, caps, "val", limit=run.distill.eval_limit).items()}
+
+    state: DistillState = distill(run.distill, student, tok, teachers, routes, ckpt,
+                                  evaluate_fn=screen if evaluate else None, references=refs, log=log)
+    manifest = {
+        "kind": "distilled", "name": run.name, "content_hash": state_dict_hash(student),
+        "run": run.model_dump(mode="json"), "routes": routes, "student_init_hash": init_hash,
+        "inputs": {"base": run.base, "teachers": {n: {"path": m["path"], "content_hash": m["content_hash"],
+                                                      "capability": m["capability"]} for n, m in manifests.items()}},
+        "train": {"steps": state.step, "seconds": state.elapsed, "gen_tokens": state.gen_tokens},
+        "references": refs, "final": state.history[-1] if state.history else {},
+    }
+    with atomic_dir(out) as tmp:
+        student.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        atomic_write_json(tmp / "manifest.json", manifest)
+        atomic_write_json(tmp / "history.json", state.history)
+    shutil.rmtree(ckpt.parent, ignore_errors=True)
+    log(f"wrote {out} ({state.step} steps, {state.gen_tokens} student tokens, {state.elapsed / 60:.1f} min)")
+    return manifest

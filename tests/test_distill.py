@@ -1,0 +1,161 @@
+"""On-policy distillation: estimator maths by hand, routing, learning on a pico student, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from opd_kernels import reverse_kl, reverse_kl_from_logits
+from test_merge_fakes import PICO, build_fake_lab
+
+from opd.distill import DistillConfig, TeacherRef, distill, embedded_teacher, prompt_mix, resolve_routes
+from opd.distill.losses import mix_teacher_logprobs, reward_mixed_advantages, sampled_advantages
+from opd.distill.teachers import completion_hidden
+from opd.errors import OpdError
+from opd.gspo.batch import pad_sequences
+from opd.lab.model import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_reverse_kl_of_known_distributions():
+    # p_s = (1/2, 1/2), p_t = (1/4, 3/4): KL = 1/2 ln 2 + 1/2 ln(2/3) = 1/2 ln(4/3)
+    ps, pt = torch.tensor([[0.5, 0.5]]), torch.tensor([[0.25, 0.75]])
+    want = 0.5 * math.log(4 / 3)
+    assert reverse_kl_from_logits(ps.log(), pt.log()).item() == pytest.approx(want, abs=1e-6)
+    # the chunked kernel: hidden = log p, LM head = identity, so the logits are log p
+    got = reverse_kl(ps.log(), torch.eye(2), teacher_logits=pt.log())
+    assert got.item() == pytest.approx(want, abs=1e-6)
+    assert reverse_kl_from_logits(pt.log(), pt.log()).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_sampled_estimator_expectation_and_gradient_match_full_kl():
+    torch.manual_seed(0)
+    zs = torch.randn(6, requires_grad=True)  # student logits over a 6-token vocabulary
+    lt = torch.log_softmax(torch.randn(6), -1)
+    ls = torch.log_softmax(zs, -1)
+    kl = (ls.exp() * (ls - lt)).sum()
+    # expectation of the per-token estimate log p_s(y) - log p_t(y) over y ~ p_s, computed exactly
+    adv = sampled_advantages(ls.detach()[None], lt[None], torch.ones(1, 6))[0]  # (V,): A_y for each y
+    assert (-(ls.exp() * adv).sum()).item() == pytest.approx(kl.item(), abs=1e-6)
+    # policy gradient: E_y[-A_y grad log p_s(y)] equals grad KL, because E[grad log p_s] = 0
+    surrogate = -(ls.exp().detach() * adv * ls).sum()
+    (g_pg,) = torch.autograd.grad(surrogate, zs, retain_graph=True)
+    (g_kl,) = torch.autograd.grad(kl, zs)
+    assert torch.allclose(g_pg, g_kl, atol=1e-6)
+    # and by Monte Carlo, as the loop sees it
+    y = torch.multinomial(ls.exp().detach(), 200_000, replacement=True)
+    assert (-adv[y].mean()).item() == pytest.approx(kl.item(), abs=0.02)
+
+
+def test_teacher_mixture_and_reward_mix_by_hand():
+    lp = torch.tensor([[[-1.0, -2.0]], [[-3.0, -4.0]]])  # (K=2, B=1, T=2)
+    w = torch.tensor([[0.25], [0.75]])  # (K, B)
+    # 0.25 * -1 + 0.75 * -3 = -2.5 ; 0.25 * -2 + 0.75 * -4 = -3.5
+    assert torch.allclose(mix_teacher_logprobs(lp, w), torch.tensor([[-2.5, -3.5]]))
+    mask = torch.tensor([[1.0, 0.0]])
+    adv = sampled_advantages(torch.tensor([[-2.0, -9.0]]), torch.tensor([[-2.5, -3.5]]), mask)
+    assert torch.allclose(adv, torch.tensor([[-0.5, 0.0]]))  # student more confident than teacher: pushed down
+    mixed = reward_mixed_advantages(adv, torch.tensor([1.0]), 0.5, mask)
+    assert torch.allclose(mixed, torch.tensor([[0.0, 0.0]]))
+
+
+def test_routing_defaults_overrides_and_mix():
+    caps = {"add_a": "add", "add_b": "add", "rev": "rev"}
+    r = resolve_routes(caps, weights={"add_a": 3.0})
+    assert r == {"add": {"add_a": 0.75, "add_b": 0.25}, "rev": {"rev": 1.0}}
+    assert prompt_mix(r, teacher_weights={"add_a": 3.0}) == {"add": 0.8, "rev": 0.2}
+    assert prompt_mix(r, mix={"add": 1.0, "rev": 3.0}) == {"add": 0.25, "rev": 0.75}
+    # the routing key is overridable: rev's teacher also serves count, by path
+    r = resolve_routes(caps, {"count": [TeacherRef(expert="experts/rev")], "add": [TeacherRef(expert="add_b")]})
+    assert r == {"count": {"rev": 1.0}, "add": {"add_b": 1.0}}
+    with pytest.raises(OpdError, match="not among the loaded teachers"):
+        resolve_routes(caps, {"add": [TeacherRef(expert="nope")]})
+    with pytest.raises(OpdError, match="no share given"):
+        prompt_mix(r, mix={"add": 1.0})
+
+
+def _exact_kl(student, teacher, tok, prompts: list[str]) -> float:
+    """Mean full-vocabulary KL(student || teacher) on fixed teacher-forced answers to `prompts`."""
+    ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    comp = [tok("2\n", add_special_tokens=False).input_ids for _ in prompts]
+    x, attn, cmask, plen = pad_sequences(ids, comp, tok.pad_token_id)
+    with torch.no_grad():
+        hs = completion_hidden(student, x, attn, plen, cmask.shape[1])[cmask.bool()]
+        ht = completion_hidden(teacher, x, attn, plen, cmask.shape[1])[cmask.bool()]
+        w_s, w_t = student.get_output_embeddings().weight, teacher.get_output_embeddings().weight
+        return float(reverse_kl(hs, w_s, ht, w_t).mean())
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_opd_lowers_student_kl_to_teacher(trained_pico_dir, tokenizer, estimator):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    student = build_model(PICO, tokenizer, seed=0)
+    prompts = ["#a:abca=", "#b:bbdd=", "#c:acdcab=", "#d:ddda="]
+    before = _exact_kl(student, teacher, tokenizer, prompts)
+    cfg = DistillConfig(estimator=estimator, steps=30, lr=3e-3, prompts_per_step=8, group_size=4)
+    teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+    state = distill(cfg, student, tokenizer, teachers, resolve_routes({"count": "count"}), log=lambda *_: None)
+    after = _exact_kl(student, teacher, tokenizer, prompts)
+    assert after < 0.8 * before, (before, after)
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    rec = state.history[-1]
+    assert {"kl/count", "reward/count", "loss", "grad_norm", "gen_tokens"} <= set(rec)
+    assert state.gen_tokens == rec["gen_tokens"] > 0
+
+
+def test_reward_mix_and_retention_are_logged(trained_pico_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    student = build_model(PICO, tokenizer, seed=0)
+    cfg = DistillConfig(steps=2, prompts_per_step=4, group_size=2, reward_weight=0.5, eval_every=1)
+    teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+    state = distill(cfg, student, tokenizer, teachers, resolve_routes({"count": "count"}), log=lambda *_: None,
+                    evaluate_fn=lambda m: {"count": 0.3}, references={"count": 0.6})
+    assert all(r["retention/count"] == pytest.approx(0.5) and r["min_retention"] == pytest.approx(0.5)
+               for r in state.history)
+
+
+def test_cli_resumes_after_sigkill(tmp_path):
+    lab = build_fake_lab(tmp_path / "lab", ("count", "rev"))
+    run = {"name": "r", "base": str(lab["base"]), "teachers": [str(p) for p in lab["experts"].values()],
+           "out": str(tmp_path / "out"), "distill": {"steps": 100_000, "prompts_per_step": 2, "group_size": 2,
+                                                      "checkpoint_every": 1}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run))
+    cmd = [sys.executable, "-m", "opd.distill", str(path), "--no-eval"]
+    env = {**os.environ, "OPD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = tmp_path / ".out.ckpt" / "state.pt"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists() and torch.load(ckpt, weights_only=False)["state"]["step"] >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = torch.load(ckpt, weights_only=False)["state"]["step"]
+    # same run, more modest step count: steps may change on resume, the trajectory does not
+    r = subprocess.run([*cmd, f"distill.steps={killed_at + 2}"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming distillation at step {killed_at}" in r.stderr
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["train"]["steps"] == killed_at + 2 and m["kind"] == "distilled"
+    assert set(m["routes"]) == {"count", "rev"} and m["inputs"]["teachers"]["rev"]["content_hash"]
+    hist = json.loads((tmp_path / "out" / "history.json").read_text())
+    assert [h["step"] for h in hist] == list(range(1, killed_at + 3))
+    assert not ckpt.parent.exists()
