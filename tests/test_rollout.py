@@ -118,3 +118,11 @@ def test_sync_weights_copies(pico_model, tokenizer):
     engine.sync_weights(other)
     for a, b in zip(pico_model.parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_top_k_zero_overrides_model_default(pico_model, tokenizer):
+    # A checkpoint default of top_k=1 must not leak in: SamplingParams.top_k=0 means no cut, so the
+    # near-uniform random pico model gives several different first tokens over 16 samples.
+    pico_model.generation_config.top_k = 1
+    out = EmbeddedEngine(pico_model, tokenizer).generate(["1+1="], n=16, params=SamplingParams(seed=0))
+    assert len({r.completion_ids[0] for r in out[0]}) > 1

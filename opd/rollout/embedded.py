@@ -50,7 +50,9 @@ class EmbeddedEngine:
             attn[r, L - len(p) :] = 1
         greedy = params.temperature == 0.0
         sample_kwargs = {} if greedy else {
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None,
+            # top_k is always passed: 0 disables it, whereas None would fall back to the model's
+            # generation_config default (50 in many checkpoints) and silently truncate sampling.
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
         }
         gen = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attn.to(device),
