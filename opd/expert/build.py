@@ -63,7 +63,7 @@ def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash:
     manifest = {
         "kind": "expert", "name": spec.expert_name, "capability": spec.capability,
         "content_hash": h, "base": {"path": str(base_dir), "content_hash": base_hash},
-        "reward": "verifier:exact", "spec": spec.model_dump(mode="json"),
+        "reward": spec.reward, "spec": spec.model_dump(mode="json"),
         "data": {"seed": spec.seed, "split": "train", "difficulty": spec.difficulty or cap.default_difficulty,
                  "heldout": "val/test buckets of opd.capabilities.base.SPLIT_BUCKETS"},
         "code_version": code_version(), "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

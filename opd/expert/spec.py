@@ -42,6 +42,7 @@ class ExpertSpec(BaseModel):
     capability: str = Field(description="capability to train (a registry name)")
     base: str = Field("runs/base", description="base model directory (HF format)")
     seed: int = Field(0, description="seed for sampling and the prompt stream")
+    reward: Literal["verifier", "partial"] = Field("verifier", description="training reward (opd.capabilities.rewards); eval always uses the verifier")
     difficulty: int | None = Field(None, description="prompt difficulty; default: the capability's (the eval's)")
     steps: int = Field(200, gt=0, description="rollout batches (upper bound; max_minutes may stop earlier)")
     max_minutes: float = Field(10.0, gt=0, description="wall-clock budget; the best checkpoint by validation is kept")

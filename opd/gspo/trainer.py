@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from opd.capabilities import get_capability
+from opd.capabilities.rewards import get_reward
 from opd.expert.spec import ExpertSpec
 from opd.gspo.batch import completion_logits, completion_targets, pad_sequences, token_entropy, token_logprobs
 from opd.gspo.loss import group_advantages, gspo_loss
@@ -37,6 +38,7 @@ class RunState:
 def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: int):
     """Sample groups until `min_informative` of them have mixed rewards (or resampling runs out)."""
     g = spec.gspo
+    reward = get_reward(spec.reward)
     params = SamplingParams(temperature=state.temperature,
                             max_new_tokens=g.max_new_tokens or cap.max_new_tokens + 1, seed=seed)
     kept, seen, gen_tokens = [], 0, 0
@@ -45,7 +47,7 @@ def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: in
         groups = engine.generate([it.prompt for it in items], g.group_size,
                                  SamplingParams(**{**params.__dict__, "seed": seed * 31 + round_}))
         for it, group in zip(items, groups):
-            rewards = [cap.verify(r.text, it.answer) for r in group]
+            rewards = [reward(r.text, it.answer, cap) for r in group]
             gen_tokens += sum(len(r.completion_ids) for r in group)
             seen += 1
             if not g.drop_zero_variance or max(rewards) > min(rewards):
