@@ -1,0 +1,67 @@
+"""Print the lab's measured tables as Markdown (what README.md shows), from the manifests on disk.
+
+    python scripts/lab_tables.py [--base runs/base] [--experts add,count,...]
+
+Reads runs/base/manifest.json + lm-eval scores (cached), experts/<name>/manifest.json and
+runs/controls/<name>.json (scripts/sft_control.py). Nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from opd.errors import cli_main
+
+
+@cli_main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="runs/base")
+    ap.add_argument("--experts", default=None, help="comma-separated (default: every trained expert)")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.evaluation.api import evaluate
+    from opd.expert.manifest import EXPERTS_DIR
+
+    base_mf = json.loads((Path(args.base) / "manifest.json").read_text())
+    caps = base_mf["spec"]["capabilities"]
+    model = AutoModelForCausalLM.from_pretrained(args.base)
+    tok = AutoTokenizer.from_pretrained(args.base)
+    base = evaluate(model, tok, caps, "test", model_hash=base_mf["content_hash"])
+    names = args.experts.split(",") if args.experts else sorted(
+        p.parent.name for p in EXPERTS_DIR.glob("*/manifest.json"))
+    experts = {n: json.loads((EXPERTS_DIR / n / "manifest.json").read_text()) for n in names}
+
+    print(f"### Base (`{args.base}`, kept step {base_mf['kept_step']}, "
+          f"{base_mf['train_seconds'] / 60:.1f} min of pre-training), lm-eval test split\n")
+    print("| capability | score | stderr | n |\n|---|---|---|---|")
+    for c in caps:
+        s = base[c]
+        print(f"| {c} | {s.score:.3f} | {s.stderr:.3f} | {s.n} |")
+    if not experts:
+        return
+    print("\n### Experts vs base vs SFT control (own capability, test split)\n")
+    print("| expert | base | GSPO expert | delta | minutes | SFT control (same minutes) |\n|---|---|---|---|---|---|")
+    for n, m in experts.items():
+        c = m["capability"]
+        e = m["metrics"]["test"][c]["score"]
+        ctrl_p = Path("runs/controls") / f"{n}.json"
+        ctrl = f"{json.loads(ctrl_p.read_text())['test'][c]:.3f}" if ctrl_p.exists() else "not run"
+        print(f"| {n} | {base[c].score:.3f} | {e:.3f} | {e - base[c].score:+.3f} | "
+              f"{m['train']['seconds'] / 60:.1f} | {ctrl} |")
+    print("\n### Every expert on every capability (test split; base in the first row)\n")
+    print("| model | " + " | ".join(caps) + " |\n|---|" + "---|" * len(caps))
+    print("| base | " + " | ".join(f"{base[c].score:.2f}" for c in caps) + " |")
+    for n, m in experts.items():
+        row = [f"**{m['metrics']['test'][c]['score']:.2f}**" if c == m["capability"]
+               else f"{m['metrics']['test'][c]['score']:.2f}" for c in caps]
+        print(f"| {n} | " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
