@@ -29,7 +29,7 @@ def main(argv=None):
     from opd.expert.manifest import EXPERTS_DIR
 
     base_mf = json.loads((Path(args.base) / "manifest.json").read_text())
-    caps = base_mf["spec"]["capabilities"]
+    caps = base_mf.get("capabilities") or base_mf["spec"]["capabilities"]
     model = AutoModelForCausalLM.from_pretrained(args.base)
     tok = AutoTokenizer.from_pretrained(args.base)
     base = evaluate(model, tok, caps, "test", model_hash=base_mf["content_hash"])

@@ -43,7 +43,8 @@ def load_base(path: str | Path):
 def base_capabilities(base_dir: Path) -> list[str] | None:
     mf = Path(base_dir) / "manifest.json"
     if mf.exists():
-        return json.loads(mf.read_text()).get("spec", {}).get("capabilities")
+        m = json.loads(mf.read_text())
+        return m.get("capabilities") or m.get("spec", {}).get("capabilities")
     return None
 
 

@@ -1,26 +1,60 @@
-"""Run the GSPO/OPD updates under a DeepSpeed ZeRO engine (gloo on CPU, NCCL on GPUs)."""
+"""Run the GSPO/OPD updates under a DeepSpeed ZeRO engine (gloo on CPU, NCCL on GPUs).
+
+Single process: `python scripts/train_expert.py spec.yaml` with `deepspeed:` in the spec; the
+rendezvous variables are filled in here. Several ranks: a launcher sets them, e.g.
+`torchrun --standalone --nproc_per_node 2 scripts/train_expert.py spec.yaml` (tests/test_deepspeed.py).
+"""
 
 from __future__ import annotations
 
 import os
+import socket
+
+# What torchrun and the deepspeed launcher export for every rank.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_env() -> tuple[int, int]:
+    """Make the rendezvous variables complete; returns (rank, world_size).
+
+    Under a launcher all five are set and left alone. A plain process becomes a world of one on a
+    free port: a fixed port would make two single-process runs on one machine (parallel tests, two
+    experts trained side by side) collide in the gloo rendezvous.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(_free_port())})
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if os.environ["WORLD_SIZE"] != "1":
+            from opd.errors import OpdError
+
+            raise OpdError("DeepSpeed: RANK and WORLD_SIZE are set but MASTER_PORT is not; launch with "
+                           "torchrun or the deepspeed launcher, which set all of " + ", ".join(LAUNCHER_VARS))
+        os.environ["MASTER_PORT"] = str(_free_port())
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def deepspeed_wrap(spec):
     """Return `wrap(model, opt) -> (engine, opt, backward)` for `opd.gspo.trainer.train`.
 
     The torch optimizer is passed in (naming one in the config compiles a C++ op, see NOTES);
-    gradient clipping moves into the DeepSpeed config.
+    gradient clipping moves into the DeepSpeed config. Each rank trains on its own rollouts and
+    ZeRO averages the gradients, so every rank must call `backward` the same number of times.
     """
 
     def wrap(model, opt):
         import deepspeed
         import torch
 
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        init_process_env()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         deepspeed.init_distributed(dist_backend=backend)
         config = {

@@ -32,7 +32,9 @@ class BaseSpec(BaseModel):
     name: str = Field("lab-base", description="name written into the model card")
     seed: int = Field(0, description="seed for weights init and the data stream")
     shape: ModelShape = Field(default_factory=ModelShape)
-    capabilities: list[str] = Field(description="capabilities the lab scores (the base's band is checked on these)")
+    capabilities: list[str] = Field(description="capabilities screened on validation to choose the kept checkpoint")
+    scored: list[str] | None = Field(None, description="the lab's capabilities: what experts and reports score "
+                                     "(default: capabilities); tasks that stay at chance are left out here")
     mixture: dict[str, float] = Field(description="pre-training mixture weights per capability")
     difficulty: dict[str, int] = Field(default_factory=dict, description="difficulty overrides per capability")
     steps: int = Field(3000, gt=0, description="optimizer steps (upper bound; see patience)")
@@ -48,11 +50,20 @@ class BaseSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        for c in list(self.capabilities) + list(self.mixture) + list(self.difficulty):
+        for c in list(self.capabilities) + list(self.mixture) + list(self.difficulty) + list(self.scored or []):
             get_capability(c)
         if not 0 <= self.band[0] < self.band[1] <= 1:
             raise ValueError("band must be (low, high) with 0 <= low < high <= 1")
         return self
+
+
+    @property
+    def lab_capabilities(self) -> list[str]:
+        return list(self.scored or self.capabilities)
+
+    def training_fields(self) -> dict:
+        """The fields that determine the weights (reporting fields excluded): the build cache key."""
+        return self.model_dump(mode="json", exclude={"scored"})
 
 
 def load_base_spec(path: str | Path = DEFAULT_SPEC, **overrides) -> BaseSpec:
@@ -97,7 +108,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     state = {"step": 0, "best": None, "history": [], "elapsed": 0.0}
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=False)
-        if ck["spec"] != spec.model_dump(mode="json"):
+        if ck["spec"] != spec.training_fields():
             raise OpdError(f"{ckpt_path}: checkpoint was made by another spec; delete it to start over")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optim"])
@@ -131,14 +142,14 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
             log(f"step {state['step']}: loss {loss.item():.3f}, in band {key[0]}/{len(scores)} "
                 + " ".join(f"{c}={s:.2f}" for c, s in scores.items()))
             state["elapsed"] = time.time() - t0
-            atomic_torch_save({"spec": spec.model_dump(mode="json"), "model": model.state_dict(),
+            atomic_torch_save({"spec": spec.training_fields(), "model": model.state_dict(),
                                "optim": opt.state_dict(), "stream": stream.state(),
                                "torch_rng": torch.get_rng_state(), "state": state}, ckpt_path)
     best = state["best"]
     model.load_state_dict(best["model"])
     model.eval()
     manifest = {
-        "kind": "base", "name": spec.name, "spec": spec.model_dump(mode="json"),
+        "kind": "base", "name": spec.name, "spec": spec.training_fields(), "capabilities": spec.lab_capabilities,
         "kept_step": best["step"], "val_screen": best["val"], "history": state["history"],
         "content_hash": state_dict_hash(model), "train_seconds": state["elapsed"],
     }

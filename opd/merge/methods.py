@@ -1,8 +1,13 @@
-"""Merge strategies: mergekit's own methods, keyed by mergekit's name, run in memory or as a YAML.
+"""Merge strategies: mergekit's own methods, keyed by mergekit's name, run in memory or as a YAML;
+and on-policy distillation (OPD) strategies that train a student from the experts as teachers.
 
 A candidate is one method plus concrete parameters. The same candidate becomes either an
 in-memory `mergekit.merge_methods.merge_state_dicts` call (the search's fast path) or a
 mergekit YAML that `mergekit-yaml` / `run_merge` reproduces tensor for tensor.
+
+OPD strategies (run by `opd.distill.strategy`): `opd` (student from the base), `merge_opd` (student
+from the best weight-space candidate the search has scored so far) and `<method>+opd` hybrids
+(student from that mergekit method's merge, whose parameters are searched with the OPD settings).
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ class Strategy:
     shared: dict[str, Any]  # parameter -> mergekit default (None when required)
     per_model: dict[str, Any]
     pretty: str
+    # OPD strategies: the distillation settings they take, and how the student starts ("base",
+    # "best", or a mergekit method's name for a hybrid). None for plain weight-space methods.
+    distill_shared: dict[str, Any] | None = None
+    init: str | None = None
+
+    @property
+    def distill(self) -> bool:
+        return self.distill_shared is not None
 
     @property
     def parameters(self) -> list[str]:
@@ -67,18 +80,59 @@ def _build_registry() -> dict[str, Strategy]:
 
 
 STRATEGIES: dict[str, Strategy] = _build_registry()
+# The DistillConfig fields an OPD strategy searches (defaults: the recipe's `distill` block), and
+# its per-teacher weight: the teacher's share of its capability's KL target and of the prompts.
+OPD_SHARED = {"steps": 50, "lr": 3e-4, "estimator": "sampled", "reward_weight": 0.0, "temperature": 1.0,
+              "prompts_per_step": 16, "group_size": 4, "updates_per_batch": 1}
+OPD_PER_MODEL = {"teacher_weight": 1.0}
+HYBRID_SUFFIX = "+opd"
+STRATEGIES["opd"] = Strategy("opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the base", dict(OPD_SHARED), "base")
+STRATEGIES["merge_opd"] = Strategy("merge_opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the best merge so far",
+                                   dict(OPD_SHARED), "best")
 
 
 def get_strategy(name: str) -> Strategy:
+    if name.endswith(HYBRID_SUFFIX) and name[: -len(HYBRID_SUFFIX)] in STRATEGIES:
+        m = STRATEGIES[name[: -len(HYBRID_SUFFIX)]]
+        if not m.distill:
+            return Strategy(name, m.inputs, {**m.shared, **OPD_SHARED}, {**m.per_model, **OPD_PER_MODEL},
+                            f"OPD from {m.pretty}", dict(OPD_SHARED), m.name)
     if name not in STRATEGIES:
-        raise OpdError(f"merge strategy {name!r} is unknown; mergekit methods opd can search: {sorted(STRATEGIES)}")
+        raise OpdError(f"merge strategy {name!r} is unknown; strategies opd can search: {sorted(STRATEGIES)}"
+                       f" and '<method>{HYBRID_SUFFIX}' hybrids of a mergekit method with OPD")
     return STRATEGIES[name]
+
+
+def merge_part(cand: Candidate) -> Candidate | None:
+    """The weight-space candidate a strategy starts from: itself for a mergekit method, the merge
+    half of a `<method>+opd` hybrid, None for OPD from the base or from the search's best."""
+    strategy = get_strategy(cand.strategy)
+    if not strategy.distill:
+        return cand
+    if strategy.init in ("base", "best"):
+        return None
+    method = get_strategy(strategy.init)
+    return Candidate(strategy=method.name, shared={k: v for k, v in cand.shared.items() if k in method.shared},
+                     per_model={e: {k: v for k, v in ps.items() if k in method.per_model}
+                                for e, ps in cand.per_model.items()}, seed=cand.seed)
+
+
+def distill_part(cand: Candidate) -> tuple[dict[str, Any], dict[str, float]]:
+    """An OPD candidate's DistillConfig settings and its teacher weights (expert -> weight)."""
+    strategy = get_strategy(cand.strategy)
+    settings = {k: v for k, v in cand.shared.items() if k in (strategy.distill_shared or {})}
+    weights = {e: float(ps["teacher_weight"]) for e, ps in cand.per_model.items() if "teacher_weight" in ps}
+    return settings, weights
 
 
 def check_inputs(strategy: Strategy, n_experts: int) -> None:
     """Refuse a method that cannot take this many experts, before any work is done."""
     from mergekit import merge_methods as mm
 
+    if strategy.distill:
+        if strategy.init not in ("base", "best"):
+            check_inputs(get_strategy(strategy.init), n_experts)
+        return
     ids = [f"e{i}" for i in range(n_experts)]
     if strategy.inputs == "pair":
         if n_experts not in (1, 2):
@@ -106,6 +160,14 @@ class Candidate(BaseModel):
         for e, ps in self.per_model.items():
             parts.append(f"{e}:" + ",".join(f"{k}={_fmt(v)}" for k, v in sorted(ps.items())))
         return f"{self.strategy}(" + " ".join(parts) + ")"
+
+
+def _weight_space(cand: Candidate) -> Candidate:
+    part = merge_part(cand)
+    if part is None:
+        raise OpdError(f"strategy {cand.strategy!r} trains a student from the base or the search's best merge: "
+                       "it has no mergekit form")
+    return part
 
 
 def _fmt(v):
@@ -137,6 +199,7 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
     """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML."""
     from mergekit.merge_methods import merge_state_dicts
 
+    cand = _weight_space(cand)
     strategy = get_strategy(cand.strategy)
     experts = list(expert_sds)
     ids, base = _layout(strategy, experts)
@@ -148,7 +211,9 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
 
 
 def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str]) -> dict:
-    """The candidate as a mergekit YAML document (run it with `mergekit-yaml --random-seed <seed>`)."""
+    """The candidate as a mergekit YAML document (run it with `mergekit-yaml --random-seed <seed>`);
+    for a `<method>+opd` hybrid, the YAML of the merge its student starts from."""
+    cand = _weight_space(cand)
     strategy = get_strategy(cand.strategy)
     experts = list(expert_paths)
     ids, base = _layout(strategy, experts)
@@ -181,6 +246,7 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     tensor in mergekit's own schedule order, which the in-memory batching does not follow, so
     they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
     """
+    cand = _weight_space(cand)
     if cand.strategy not in RANDOM_METHODS:
         return merge_in_memory(cand, base_sd, expert_sds)
     import tempfile

@@ -8,6 +8,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from opd.distill.config import DistillConfig
 from opd.errors import OpdError, format_validation_error
 
 Scalar = bool | int | float | str
@@ -26,6 +27,8 @@ class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     n_trials: int | None = Field(40, gt=0, description="finished trials the study stops at (all workers together)")
     timeout_s: float | None = Field(None, gt=0, description="wall-clock limit for this process's search")
+    per_strategy: dict[str, int] = Field(default_factory=dict, description="most trials a strategy may take "
+                                         "(e.g. {opd: 4}: OPD trials cost minutes, a merge trial seconds)")
 
     @model_validator(mode="after")
     def _some_limit(self):
@@ -62,7 +65,10 @@ class MergeRecipe(BaseModel):
     experts: list[str] = Field(min_length=1, description="expert names (experts/<name>/) or paths")
     capabilities: list[str] | None = Field(None, description="capabilities to score (default: each expert's own)")
     strategies: dict[str, dict[str, ParamSpec]] = Field(
-        min_length=1, description="mergekit method -> {parameter: value | [low, high] | {choices: [...]}}")
+        min_length=1, description="mergekit method, 'opd', 'merge_opd' or '<method>+opd' -> "
+        "{parameter: value | [low, high] | {choices: [...]}}")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="settings of the OPD strategies' "
+                                   "runs that their parameters do not set")
     budget: Budget = Field(default_factory=Budget)
     objectives: Objectives = Field(default_factory=Objectives)
     sampler: Literal["tpe", "nsga2", "random"] = Field("tpe", description="Optuna sampler")
@@ -97,6 +103,16 @@ class MergeRecipe(BaseModel):
             for p, v in params.items():
                 if isinstance(v, tuple) and not v[0] <= v[1]:
                     raise ValueError(f"strategy {name!r}: range for {p!r} must be [low, high]")
+            if strategy.distill:
+                fixed = {p: v for p, v in params.items() if p in strategy.distill_shared and not isinstance(v, tuple | Choices)}
+                try:
+                    DistillConfig.model_validate({**self.distill.model_dump(), **fixed})
+                except ValidationError as e:
+                    err = e.errors()[0]
+                    raise ValueError(f"strategy {name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        for name in self.budget.per_strategy:
+            if name not in self.strategies:
+                raise ValueError(f"budget.per_strategy names {name!r}, which is not among the strategies")
         return self
 
     @property

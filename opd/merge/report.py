@@ -12,7 +12,7 @@ import yaml
 
 from opd.io import atomic_dir, atomic_write_json, atomic_write_text, state_dict_hash
 from opd.merge.interference import as_table
-from opd.merge.methods import mergekit_config
+from opd.merge.methods import get_strategy, mergekit_config
 
 
 class LiveBoard:
@@ -133,7 +133,40 @@ def plot_all(summary: dict, matrix: dict) -> dict[str, bytes]:
     ax.legend()
     ax.set_title("search history")
     plots["search_history"] = _png(fig)
+
+    opd = opd_trials(summary)
+    if opd:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for t in opd[:4]:  # the best few runs: more lines would hide each other
+            hist = t["opd_history"]
+            for key in sorted({k for rec in hist for k in rec if k.startswith("kl/")}):
+                pts = [(rec["step"], rec[key]) for rec in hist if key in rec]
+                ax.plot(*zip(*pts), label=f"#{t['number']} {t['candidate']['strategy']} {key[3:]}")
+        ax.set_xlabel("OPD step")
+        ax.set_ylabel("KL(student || teacher) per token")
+        ax.legend(fontsize=7)
+        ax.set_title("per-teacher KL during distillation")
+        plots["opd_kl"] = _png(fig)
     return plots
+
+
+def opd_trials(summary: dict) -> list[dict]:
+    """Finished trials that trained a student, best min retention first."""
+    out = [t for t in summary["trials"] if t.get("opd_history")]
+    return sorted(out, key=lambda t: t["min_retention"], reverse=True)
+
+
+def _opd_md(summary: dict) -> str:
+    """One row per OPD run: settings, final per-teacher KL, student tokens sampled, retention."""
+    rows = ["| trial | strategy | init | steps | student tokens | final KL per teacher | min retention (val) |",
+            "|---|---|---|---|---|---|---|"]
+    for t in opd_trials(summary):
+        last = t["opd_history"][-1]
+        kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in sorted(last.items()) if k.startswith("kl/"))
+        init = (t.get("opd_init") or {}).get("strategy", "base")
+        rows.append(f"| #{t['number']} | {t['candidate']['strategy']} | {init} | {last['step']} | "
+                    f"{last.get('gen_tokens', 0)} | {kls} | {t['min_retention']:.3f} ({t['stage']}) |")
+    return "\n".join(rows)
 
 
 def _md_table(cells, split: str) -> str:
@@ -179,6 +212,7 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
         f"# Merge report: {recipe.name}", intro, "## Final candidates", "\n".join(final_lines),
         "## Interference matrix (test)", _md_table(matrix["test"], "test"),
         "## Interference matrix (val)", _md_table(matrix["val"], "val"),
+        *(["## On-policy distillation runs", _opd_md(summary)] if opd_trials(summary) else []),
         "## Plots", "\n".join(f"![{n}]({n}.png)" for n in plots),
         "## Inputs", "```json\n" + _json(summary["inputs"]) + "\n```",
     ]) + "\n"
@@ -192,11 +226,21 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
 td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display:inline-block;margin:1em}}</style>
 </head><body><h1>Merge report: {html.escape(recipe.name)}</h1><p>{html.escape(intro)}</p>
 <h2>Final candidates</h2><ul>{finals}</ul>
-<h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}
+<h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}{_opd_html(summary)}
 <h2>Plots</h2>{imgs}<h2>Inputs</h2><pre>{html.escape(_json(summary["inputs"]))}</pre></body></html>
 """
     atomic_write_text(out / "report.html", page)
     return out / "report.html"
+
+
+def _opd_html(summary: dict) -> str:
+    if not opd_trials(summary):
+        return ""
+    lines = [ln for ln in _opd_md(summary).splitlines() if not ln.startswith("|---")]
+    cells = [[html.escape(c.strip()) for c in ln.strip("|").split("|")] for ln in lines]
+    head = "".join(f"<th>{c}</th>" for c in cells[0])
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[1:])
+    return f"<h2>On-policy distillation runs</h2><table><tr>{head}</tr>{body}</table>"
 
 
 def _json(obj) -> str:
@@ -210,16 +254,31 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
     model = inputs.base_model
     model.load_state_dict(sd, strict=False)
     final = recipe.out_dir / "best"
-    doc = mergekit_config(cand, str(Path(inputs.base_path).resolve()),
-                          {e: str(Path(p).resolve()) for e, p in inputs.expert_paths.items()})
+    paths = {e: str(Path(p).resolve()) for e, p in inputs.expert_paths.items()}
     label = summary["best"]
+    distilled = get_strategy(cand.strategy).distill
+    if distilled:
+        # A student is not a function of the inputs' weights alone: record how it was trained.
+        init = next((t.get("opd_init") for t in summary["trials"] if t["number"] == summary["final"][label]["trial"]),
+                    None)
+        doc = {"opd": cand.model_dump(mode="json"), "distill": recipe.distill.model_dump(mode="json"),
+               "init": mergekit_config(type(cand).model_validate(init), str(Path(inputs.base_path).resolve()), paths)
+               if init else "base"}
+        how = (f"by on-policy distillation (`{cand.strategy}`) from the experts as teachers; "
+               f"`distill.yaml` records the settings and the student's initial merge")
+        recipe_file, reproduce = "distill.yaml", "Rerun the recipe (`python -m opd.merge --recipe ...`) to retrain it:"
+    else:
+        doc = mergekit_config(cand, str(Path(inputs.base_path).resolve()), paths)
+        how = f"with mergekit's `{cand.strategy}`"
+        recipe_file = "mergekit.yaml"
+        reproduce = f"{reproduce}"
     rows = [c for c in summary["matrix"]["test"] if c["candidate"] == label]
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp)
         inputs.tokenizer.save_pretrained(tmp)
-        (tmp / "mergekit.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        (tmp / recipe_file).write_text(yaml.safe_dump(doc, sort_keys=False))
         atomic_write_json(tmp / "manifest.json", {
-            "kind": "merged", "name": recipe.name, "candidate": cand.model_dump(mode="json"),
+            "kind": "distilled" if distilled else "merged", "name": recipe.name, "candidate": cand.model_dump(mode="json"),
             "content_hash": state_dict_hash(model), "inputs": summary["inputs"], "recipe": summary["recipe"],
             "metrics": {"test": {c["capability"]: {k: c[k] for k in ("score", "stderr", "n", "retention")}
                                  for c in rows}},
@@ -232,7 +291,7 @@ tags: [merge, mergekit, opd]
 # {recipe.name}: merged model
 
 Merged by opd from the base `{summary['inputs']['base']['path']}` ({summary['inputs']['base']['content_hash']})
-and the experts {', '.join(f"`{e}`" for e in summary['inputs']['experts'])}, with mergekit's `{cand.strategy}`.
+and the experts {', '.join(f"`{e}`" for e in summary['inputs']['experts'])}, {how}.
 Chosen on the validation split by recipe `{recipe.name}`; the scores below are on the test split.
 
 Candidate: `{cand.label()}` (seed {cand.seed}).
@@ -241,7 +300,7 @@ Candidate: `{cand.label()}` (seed {cand.seed}).
 |---|---|---|---|
 {scores}
 
-Reproduce the weights with `mergekit-yaml mergekit.yaml OUT --random-seed {cand.seed}`:
+{reproduce}
 
 ```yaml
 {yaml.safe_dump(doc, sort_keys=False)}```

@@ -20,7 +20,7 @@ from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
 from opd.io import atomic_write_json, state_dict_hash
 from opd.merge.interference import interference_matrix, pareto_front, retention, to_records
-from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate
+from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate, merge_part
 from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
 
 
@@ -82,10 +82,31 @@ def objective_values(recipe: MergeRecipe, ret: dict[str, float]) -> list[float]:
            [aggs[a] for a in recipe.objectives.aggregates]
 
 
+def open_strategies(trial: optuna.Trial, recipe: MergeRecipe) -> list[str]:
+    """The strategies whose `budget.per_strategy` trial cap is not used up (finished or running trials)."""
+    caps = recipe.budget.per_strategy
+    names = list(recipe.strategies)
+    if not caps:
+        return names
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
+    used: dict[str, int] = {}
+    for t in trial.study.get_trials(deepcopy=False, states=states):
+        if t.number != trial.number and "candidate" in t.user_attrs:
+            s = t.user_attrs["candidate"]["strategy"]
+            used[s] = used.get(s, 0) + 1
+    return [n for n in names if used.get(n, 0) < caps.get(n, math.inf)]
+
+
 def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Candidate:
     """Sample one candidate; every parameter is named `<strategy>.<param>[.<expert>]`."""
-    names = list(recipe.strategies)
-    name = trial.suggest_categorical("strategy", names) if len(names) > 1 else names[0]
+    names = open_strategies(trial, recipe)
+    if not names:
+        trial.study.stop()
+        raise optuna.TrialPruned("every strategy has used its budget.per_strategy trials")
+    # Optuna refuses a categorical whose choices change under one name: once a strategy's cap is
+    # reached, the remaining choice set gets a name of its own.
+    key = "strategy" if len(names) == len(recipe.strategies) else f"strategy[{'|'.join(names)}]"
+    name = trial.suggest_categorical(key, names) if len(names) > 1 else names[0]
     strategy = get_strategy(name)
 
     def pick(key: str, spec):
@@ -169,7 +190,10 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
     def objective(trial: optuna.Trial) -> list[float]:
         cand = suggest(trial, recipe, experts)
         trial.set_user_attr("candidate", cand.model_dump(mode="json"))
-        sd = merge(inputs, cand)
+        if get_strategy(cand.strategy).distill:
+            init = opd_init(cand, trial.study)
+            trial.set_user_attr("opd_init", init.model_dump(mode="json") if init else None)
+        sd = merge(inputs, cand, recipe, trial, refs)
         stage, scores = "full", None
         if two_stage:
             scores = scorer.score(sd, "val", screen.limit)
@@ -215,12 +239,48 @@ def final_candidates(recipe: MergeRecipe, study: optuna.Study) -> list[optuna.tr
     return [full[n] for n in chosen]
 
 
-def merge(inputs: MergeInputs, cand: Candidate) -> dict:
-    return merge_candidate(cand, str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()},
-                           inputs.base_sd, inputs.expert_sds)
+def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = None, trial=None,
+          refs: References | None = None) -> dict:
+    """The candidate's weights: a mergekit merge, or for an OPD strategy the student trained (once per
+    trial, then read from <out>/opd/trial-<n>/) from the init recorded in the trial."""
+    if not get_strategy(cand.strategy).distill:
+        return merge_candidate(cand, str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()},
+                               inputs.base_sd, inputs.expert_sds)
+    from opd.distill.strategy import opd_student
+
+    if recipe is None or trial is None:
+        raise ValueError(f"strategy {cand.strategy!r} trains a student: merge() needs the recipe and its trial")
+    init = trial.user_attrs.get("opd_init")
+    init_sd = merge(inputs, Candidate.model_validate(init)) if init else inputs.base_sd
+    evaluate_fn = None
+    if recipe.distill.eval_every and refs is not None:
+        def evaluate_fn(m):
+            return {c: s.score for c, s in evaluate(m, inputs.tokenizer, inputs.capabilities, "val",
+                                                    limit=recipe.distill.eval_limit,
+                                                    batch_size=recipe.eval_batch_size).items()}
+    sd, history = opd_student(inputs, cand, recipe, init_sd, recipe.out_dir / "opd" / f"trial-{trial.number}",
+                              evaluate_fn=evaluate_fn, references=refs.val if refs else None)
+    if isinstance(trial, optuna.Trial):
+        trial.set_user_attr("opd_history", history)
+    return sd
 
 
-def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, trials: list) -> tuple[dict, dict]:
+def opd_init(cand: Candidate, study: optuna.Study) -> Candidate | None:
+    """Where an OPD candidate's student starts: its hybrid's merge, the best weight-space candidate
+    scored on full val so far (merge_opd; the base until there is one), or the base (None)."""
+    part = merge_part(cand)
+    if part is not None or get_strategy(cand.strategy).init != "best":
+        return part
+    merges = [t for t in finished(study) if t.user_attrs.get("stage") == "full"
+              and not get_strategy(t.user_attrs["candidate"]["strategy"]).distill]
+    if not merges:
+        return None
+    best = max(merges, key=lambda t: (t.user_attrs["min_retention"], sum(t.values)))
+    return Candidate.model_validate(best.user_attrs["candidate"])
+
+
+def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, trials: list,
+                  recipe: MergeRecipe | None = None) -> tuple[dict, dict]:
     """Score the final candidates on test; the interference matrix on val and test, with the
     experts and the base as reference rows. Returns ({label: (trial, candidate)}, {split: cells})."""
     val, test, cands = {}, {}, {}
@@ -228,7 +288,7 @@ def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, trials:
         label = f"#{t.number} {t.user_attrs['candidate']['strategy']}"
         cands[label] = (t, Candidate.model_validate(t.user_attrs["candidate"]))
         val[label] = {c: Score(*t.user_attrs["scores"][c]) for c in inputs.capabilities}
-        test[label] = scorer.score(merge(inputs, cands[label][1]), "test")
+        test[label] = scorer.score(merge(inputs, cands[label][1], recipe, t), "test")
     for e in inputs.expert_paths:
         val[f"expert {e}"], test[f"expert {e}"] = refs.experts["val"][e], refs.experts["test"][e]
     val["base"], test["base"] = refs.base["val"], refs.base["test"]
@@ -257,9 +317,9 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
 
     trials = final_candidates(recipe, study)
     log(f"re-scoring {len(trials)} final candidates on test")
-    cands, matrix = rescore_final(inputs, scorer, refs, trials)
+    cands, matrix = rescore_final(inputs, scorer, refs, trials, recipe)
     # The best model is chosen on val (the search's split, Pareto set ordered by min retention); test only reports.
-    best_label, (_, best_cand) = next(iter(cands.items()))
+    best_label, (best_trial, best_cand) = next(iter(cands.items()))
     summary = {
         "recipe": recipe.model_dump(mode="json"),
         "inputs": {"base": {"path": str(inputs.base_path), "content_hash": inputs.base_hash},
@@ -274,7 +334,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         "matrix": {s: to_records(cells) for s, cells in matrix.items()},
         "scorer_calls": scorer.calls,
     }
-    best_dir = save_best_model(recipe, inputs, best_cand, merge(inputs, best_cand), summary)
+    best_dir = save_best_model(recipe, inputs, best_cand, merge(inputs, best_cand, recipe, best_trial), summary)
     summary["best_model"] = str(best_dir)
     write_report(recipe, summary, matrix)
     summary["seconds"] = time.time() - t0

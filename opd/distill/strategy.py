@@ -1,0 +1,56 @@
+"""OPD as a search strategy: train one candidate's student from the search's loaded base and experts.
+
+The search (opd.merge.search) calls `opd_student` for candidates of the `opd`, `merge_opd` and
+`<method>+opd` strategies. Students are cached per trial, so re-scoring on test and saving the best
+model never retrain, and a killed trial's run resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from opd.distill.config import DistillConfig
+from opd.distill.loop import distill
+from opd.distill.routing import resolve_routes
+from opd.distill.teachers import embedded_teacher
+from opd.io import atomic_write_json
+
+
+def opd_settings(recipe, cand) -> tuple[DistillConfig, dict[str, float]]:
+    """The candidate's DistillConfig (recipe.distill overridden by its parameters) and teacher weights."""
+    from opd.merge.methods import distill_part
+
+    settings, weights = distill_part(cand)
+    cfg = DistillConfig.model_validate({**recipe.distill.model_dump(), **settings, "seed": cand.seed})
+    return cfg, weights
+
+
+def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluate_fn=None,
+                references: dict[str, float] | None = None, log=lambda *_: None) -> tuple[dict, list[dict]]:
+    """Distil the experts into a student starting from `init_sd`; returns (state dict, history)."""
+    from safetensors.torch import load_file, save_file
+
+    from opd.merge.recipe import merge_keys
+
+    weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
+    if weights_file.exists() and history_file.exists():
+        return load_file(weights_file), json.loads(history_file.read_text())
+    cfg, weights = opd_settings(recipe, cand)
+    student = copy.deepcopy(inputs.base_model)
+    student.load_state_dict(init_sd, strict=False)  # tied lm_head follows the embedding
+    teachers = {}
+    for e, sd in inputs.expert_sds.items():
+        model = copy.deepcopy(inputs.base_model)
+        model.load_state_dict(sd, strict=False)
+        teachers[e] = embedded_teacher(e, inputs.manifests[e].capability, model, inputs.tokenizer)
+    routes = resolve_routes({e: t.capability for e, t in teachers.items()}, cfg.routes, weights)
+    state = distill(cfg, student, inputs.tokenizer, teachers, routes, trial_dir / "state.pt",
+                    evaluate_fn=evaluate_fn, references=references, teacher_weights=weights, log=log)
+    sd = {k: v.detach().clone().contiguous() for k, v in merge_keys(student.state_dict()).items()}
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    save_file(sd, weights_file)
+    atomic_write_json(history_file, state.history)
+    (trial_dir / "state.pt").unlink(missing_ok=True)
+    return sd, state.history

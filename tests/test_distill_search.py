@@ -1,0 +1,72 @@
+"""OPD inside the merge search: recipe fields, per-strategy budgets, hybrids, report, best student."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_merge_fakes import build_fake_lab, write_recipe
+
+from opd.errors import OpdError
+from opd.merge import load_recipe, run_recipe
+from opd.merge.methods import Candidate, distill_part, get_strategy, merge_part
+
+OPD = {"steps": 2, "lr": 1e-3, "teacher_weight": [0.5, 2.0]}
+
+
+def test_opd_strategies_and_hybrids_are_registered():
+    assert get_strategy("opd").distill and get_strategy("opd").init == "base"
+    assert get_strategy("merge_opd").init == "best"
+    hybrid = get_strategy("ties+opd")
+    assert hybrid.init == "ties" and {"density", "weight", "steps", "teacher_weight"} <= set(hybrid.parameters)
+    assert not get_strategy("ties").distill
+    with pytest.raises(OpdError, match="<method>\\+opd"):
+        get_strategy("opd+opd")
+    cand = Candidate(strategy="ties+opd", shared={"lambda": 1.0, "steps": 3},
+                     per_model={"a": {"density": 0.5, "teacher_weight": 2.0}}, seed=4)
+    assert merge_part(cand) == Candidate(strategy="ties", shared={"lambda": 1.0},
+                                         per_model={"a": {"density": 0.5}}, seed=4)
+    assert distill_part(cand) == ({"steps": 3}, {"a": 2.0})
+    assert merge_part(Candidate(strategy="opd")) is None
+
+
+def test_recipe_refuses_bad_opd_settings(tmp_path):
+    lab = {"base": "b", "experts": {"add": "add"}}
+    path = write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", strategies={"opd": {"estimator": "exact"}})
+    with pytest.raises(OpdError, match="strategy 'opd': estimator"):
+        load_recipe(path)
+    with pytest.raises(OpdError, match="per_strategy names 'ties'"):
+        load_recipe(write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", strategies={"opd": {}},
+                                 budget={"n_trials": 2, "per_strategy": {"ties": 1}}))
+
+
+def test_search_runs_opd_next_to_merges(tmp_path):
+    os.environ["OPD_CACHE"] = str(tmp_path / "cache")
+    torch.set_num_threads(1)
+    lab = build_fake_lab(tmp_path / "lab", ("count", "rev"))
+    strategies = {"linear": {"weight": [0.2, 1.0]}, "opd": {**OPD, "estimator": {"choices": ["sampled", "full"]}},
+                  "ties+opd": {**OPD, "density": [0.3, 1.0], "weight": 1.0}, "merge_opd": {**OPD, "reward_weight": 0.5}}
+    recipe = load_recipe(write_recipe(
+        tmp_path / "r.yaml", lab, tmp_path / "out", strategies=strategies,
+        budget={"n_trials": 4, "per_strategy": {s: 1 for s in strategies}},
+        distill={"prompts_per_step": 2, "group_size": 2}, screening={"limit": None}, final_candidates=4))
+    summary = run_recipe(recipe, live=False, log=lambda *a: None)
+    # each strategy capped at one trial: four trials, one each, whatever the sampler drew
+    assert sorted(t["candidate"]["strategy"] for t in summary["trials"]) == sorted(strategies)
+    by = {t["candidate"]["strategy"]: t for t in summary["trials"]}
+    for s in ("opd", "ties+opd", "merge_opd"):
+        hist = by[s]["opd_history"]
+        assert [h["step"] for h in hist] == [1, 2] and any(k.startswith("kl/") for k in hist[-1])
+        assert (recipe.out_dir / "opd" / f"trial-{by[s]['number']}" / "student.safetensors").exists()
+    assert by["ties+opd"]["opd_init"]["strategy"] == "ties" and by["opd"]["opd_init"] is None
+    if by["linear"]["number"] < by["merge_opd"]["number"]:
+        assert by["merge_opd"]["opd_init"]["strategy"] == "linear"
+    # OPD candidates sit in the same interference matrix as the merges
+    rows = {c["candidate"] for c in summary["matrix"]["test"]}
+    assert any(r.endswith(" opd") for r in rows) and any(r.endswith(" linear") for r in rows)
+    md = (recipe.out_dir / "report.md").read_text()
+    assert "On-policy distillation runs" in md and (recipe.out_dir / "opd_kl.png").stat().st_size > 0
+    manifest = json.loads((recipe.out_dir / "best" / "manifest.json").read_text())
+    assert manifest["kind"] in ("merged", "distilled")
