@@ -271,7 +271,7 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
         doc = mergekit_config(cand, str(Path(inputs.base_path).resolve()), paths)
         how = f"with mergekit's `{cand.strategy}`"
         recipe_file = "mergekit.yaml"
-        reproduce = f"{reproduce}"
+        reproduce = f"Reproduce the weights with `mergekit-yaml mergekit.yaml OUT --random-seed {cand.seed}`:"
     rows = [c for c in summary["matrix"]["test"] if c["candidate"] == label]
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp)
