@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
-from opd.errors import OpdError, format_validation_error
+from opd.config import load_yaml_model
 
 
 class GSPOConfig(BaseModel):
@@ -69,26 +68,5 @@ class ExpertSpec(BaseModel):
 
 
 def load_expert_spec(path: str | Path, **overrides) -> ExpertSpec:
-    path = Path(path)
-    if not path.exists():
-        raise OpdError(f"{path}: expert spec not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise OpdError(f"{path}: expected a mapping of fields at the top level")
-    for key, value in overrides.items():  # dotted keys: gspo.lr=1e-3
-        node = raw
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise OpdError(f"{path}: override {key!r}: {p!r} is not a mapping")
-        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
-    try:
-        return ExpertSpec.model_validate(raw)
-    except ValidationError as e:
-        raise OpdError(format_validation_error(str(path), e)) from None
-    except OpdError as e:
-        raise OpdError(f"{path}: {e}") from None
+    """An expert spec YAML with dotted overrides (`gspo.lr="1e-3"`) as a validated ExpertSpec."""
+    return load_yaml_model(path, ExpertSpec, "expert spec", overrides)

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
-from opd.errors import OpdError, format_validation_error
+from opd.config import load_yaml_model
+from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_torch_save, atomic_write_json, state_dict_hash
 from opd.lab.data import MixtureStream, encode_sft
 from opd.lab.model import ModelShape, build_model
@@ -67,22 +67,7 @@ class BaseSpec(BaseModel):
 
 
 def load_base_spec(path: str | Path = DEFAULT_SPEC, **overrides) -> BaseSpec:
-    path = Path(path)
-    if not path.exists():
-        raise OpdError(f"{path}: base spec not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise OpdError(f"{path}: expected a mapping of fields at the top level")
-    raw.update(overrides)
-    try:
-        return BaseSpec.model_validate(raw)
-    except ValidationError as e:
-        raise OpdError(format_validation_error(str(path), e)) from None
-    except OpdError as e:
-        raise OpdError(f"{path}: {e}") from None
+    return load_yaml_model(path, BaseSpec, "base spec", overrides)
 
 
 def band_key(scores: dict[str, float], band: tuple[float, float]) -> tuple:

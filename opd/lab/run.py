@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -21,8 +20,7 @@ LAB_BAND = (0.10, 0.60)
 
 
 def build_and_report(spec_path=None, out="runs/base", force=False, overrides=None) -> dict:
-    overrides = {k: yaml.safe_load(v) if isinstance(v, str) else v for k, v in (overrides or {}).items()}
-    spec = load_base_spec(spec_path or DEFAULT_SPEC, **overrides)
+    spec = load_base_spec(spec_path or DEFAULT_SPEC, **(overrides or {}))
     out = Path(out)
     mf = out / "manifest.json"
     manifest = json.loads(mf.read_text()) if mf.exists() else None
