@@ -159,3 +159,14 @@ def test_cli_resumes_after_sigkill(tmp_path):
     hist = json.loads((tmp_path / "out" / "history.json").read_text())
     assert [h["step"] for h in hist] == list(range(1, killed_at + 3))
     assert not ckpt.parent.exists()
+
+
+def test_bench_fast_path_runs(tmp_path):
+    env = {**os.environ, "OPD_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, str(ROOT / "bench/bench_opd.py"), "--fake", "--experts", "count,rev",
+                        "--prompts", "2", "--group", "2", "--out", str(tmp_path / "b.json")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tokens GSPO / OPD" in r.stdout and "threads 1" in r.stdout
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["OPD"]["tokens"] > 0 and res["GSPO"]["tokens"] > 0

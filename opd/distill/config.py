@@ -39,6 +39,8 @@ class DistillConfig(BaseModel):
     eps_high: float = Field(0.28, ge=0, description="GSPO-token clip above 1 (sampled estimator)")
     reward_weight: float = Field(0.0, ge=0, description="weight of the capability's group-normalised verifier "
                                  "reward added to the distillation advantage (0: pure distillation)")
+    kl_weight: float = Field(1.0, ge=0, description="weight of the reverse-KL term; 0 with reward_weight > 0 is "
+                             "multi-task GSPO on verifier rewards alone (the bench's control)")
     grad_clip: float = Field(1.0, gt=0)
     routes: dict[str, list[TeacherRef]] | None = Field(
         None, description="capability -> teachers (default: each teacher serves its manifest's capability)")
@@ -59,6 +61,8 @@ class DistillConfig(BaseModel):
         for cap, teachers in (self.routes or {}).items():
             if not teachers:
                 raise ValueError(f"routes.{cap}: list at least one teacher")
+        if self.kl_weight == 0 and self.reward_weight == 0:
+            raise ValueError("kl_weight and reward_weight are both 0: nothing to learn from")
         if self.reward_weight > 0 and self.group_size < 2:
             raise ValueError("reward_weight > 0 needs group_size >= 2 (rewards are group-normalised)")
         return self

@@ -48,7 +48,8 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
     tok_index[real] = torch.arange(int(real.sum()))
     reward_adv = group_advantages(batch.rewards).reshape(-1)  # (B,)
     if cfg.estimator == "sampled":
-        adv = sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights), cmask)
+        adv = cfg.kl_weight * sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights),
+                                                 cmask)
         if cfg.reward_weight > 0:
             adv = reward_mixed_advantages(adv, reward_adv, cfg.reward_weight, cmask)
     else:
@@ -63,7 +64,7 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
             loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
         else:
             kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
-            loss = sequence_mean_loss(scatter_tokens(kl, m), m)
+            loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m), m)
             if cfg.reward_weight > 0:
                 pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows], m, cfg.eps_low, cfg.eps_high)
                 loss = loss + cfg.reward_weight * pg
@@ -138,12 +139,13 @@ def retention_record(scores: dict[str, float], references: dict[str, float]) -> 
 def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher], routes: Routes,
             ckpt_path: Path | None = None, *, evaluate_fn: Callable[[object], dict[str, float]] | None = None,
             references: dict[str, float] | None = None, teacher_weights: dict[str, float] | None = None,
-            log=print, progress=None) -> DistillState:
+            log=print, progress=None, stop: Callable[[dict], bool] | None = None) -> DistillState:
     """Train `student` in place for `cfg.steps` steps; returns the state with the per-step history.
 
     routes: capability -> {teacher: weight} (see `opd.distill.routing.resolve_routes`).
     evaluate_fn(student) -> {capability: val score}, run every `eval_every` steps and at the end;
     with `references` (each capability's teacher score) the records carry retention.
+    stop(record) -> True ends the run after that step (e.g. once a target score is reached).
     """
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
     student.train()
@@ -182,4 +184,6 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
             progress(state, rec)
         if ckpt_path and (last or state.step % cfg.checkpoint_every == 0):
             save_checkpoint(ckpt_path, student, opt, state, rng, cfg)
+        if stop is not None and stop(rec):
+            break
     return state

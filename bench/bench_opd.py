@@ -1,0 +1,119 @@
+"""Student tokens to a target score: on-policy distillation vs multi-task GSPO on verifier rewards.
+
+Both runs start from the base and draw prompts from the experts' capabilities in the same mix. OPD
+learns from its teachers' per-token log-probs (reverse KL); the control is the same loop with the
+KL term off and group-normalised verifier rewards only (kl_weight=0, reward_weight=1: GSPO-token
+with per-sequence advantages, which is GSPO). Each run stops once its mean val score over the
+capabilities reaches the target; the cost counted is student tokens sampled.
+
+    python bench/bench_opd.py --experts add,rev,count,sort [--base runs/base] [--target 0.8]
+    python bench/bench_opd.py --fake        # pico fake experts: checks the wiring in seconds
+
+The target defaults to --target-frac (0.9) of the mean of the experts' own val scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def run_to_target(cfg, base_dir: str, teachers, routes, caps, target: float, eval_limit: int, label: str):
+    """Train from the base until the mean val score reaches `target`; returns (tokens, score, reached, s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.distill import distill
+    from opd.evaluation.api import evaluate
+
+    student = AutoModelForCausalLM.from_pretrained(base_dir, dtype="float32")
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    best = {"score": -1.0}
+
+    def screen(m):
+        return {c: s.score for c, s in evaluate(m, tok, caps, "val", limit=eval_limit).items()}
+
+    def stop(rec) -> bool:
+        vals = [v for k, v in rec.items() if k.startswith("val/")]
+        if vals:
+            best["score"] = max(best["score"], sum(vals) / len(vals))
+            print(f"  {label}: step {rec['step']} tokens {rec['gen_tokens']} mean val {sum(vals) / len(vals):.3f}",
+                  flush=True)
+        return best["score"] >= target
+
+    t0 = time.time()
+    state = distill(cfg, student, tok, teachers, routes, evaluate_fn=screen, log=lambda *_: None, stop=stop)
+    return state.gen_tokens, best["score"], best["score"] >= target, time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", default="add,rev,count,sort", help="comma-separated expert names or paths")
+    ap.add_argument("--base", default="runs/base")
+    ap.add_argument("--fake", action="store_true", help="build pico fake experts in a temp dir (wiring check)")
+    ap.add_argument("--target", type=float, help="mean val score both runs must reach")
+    ap.add_argument("--target-frac", type=float, default=0.9, help="default target: this share of the "
+                    "experts' mean own val score")
+    ap.add_argument("--max-steps", type=int, default=2000, help="give up after this many steps (per run)")
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-limit", type=int, default=50)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--estimator", choices=["sampled", "full"], default="sampled")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoTokenizer
+
+    from opd.distill import DistillConfig, resolve_routes
+    from opd.distill.run import load_teachers, teacher_references
+
+    base, names = args.base, args.experts.split(",")
+    if args.fake:
+        from test_merge_fakes import build_fake_lab
+
+        lab = build_fake_lab(Path(tempfile.mkdtemp(prefix="opd-bench-")), tuple(names[:2]) if names else ("add", "rev"))
+        base, names = str(lab["base"]), [str(p) for p in lab["experts"].values()]
+        args.max_steps = min(args.max_steps, 2)
+        args.eval_every, args.eval_limit = 1, 5
+    teachers, manifests = load_teachers(names, AutoTokenizer.from_pretrained(base))
+    routes = resolve_routes({n: t.capability for n, t in teachers.items()})
+    caps = list(routes)
+    refs = teacher_references(routes, manifests)
+    target = args.target if args.target is not None else args.target_frac * sum(refs.values()) / max(1, len(refs))
+    common = dict(steps=args.max_steps, lr=args.lr, prompts_per_step=args.prompts, group_size=args.group,
+                  eval_every=args.eval_every, eval_limit=args.eval_limit, estimator=args.estimator)
+    print(f"torch threads {torch.get_num_threads()}; capabilities {caps}; teacher val scores {refs}; "
+          f"target mean val {target:.3f}", flush=True)
+
+    results = {}
+    for label, cfg in (("OPD", DistillConfig(**common)),
+                       ("GSPO", DistillConfig(**common, kl_weight=0.0, reward_weight=1.0))):
+        tokens, score, reached, secs = run_to_target(cfg, base, teachers, routes, caps, target, args.eval_limit, label)
+        results[label] = {"tokens": tokens, "best_mean_val": score, "reached": reached, "seconds": secs}
+        print(f"{label}: {tokens} student tokens, best mean val {score:.3f}, "
+              f"{'reached' if reached else 'did NOT reach'} the target, {secs:.0f} s", flush=True)
+    opd, gspo = results["OPD"], results["GSPO"]
+    ratio = gspo["tokens"] / max(1, opd["tokens"])
+    # a run that missed the target only bounds the ratio
+    bound = "" if opd["reached"] and gspo["reached"] else (" (lower bound: GSPO missed the target)"
+                                                             if opd["reached"] else " (OPD missed the target)")
+    print(f"tokens GSPO / OPD = {ratio:.1f}x{bound}; threads {torch.get_num_threads()}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"target": target, "threads": torch.get_num_threads(), "ratio": ratio,
+                                              "args": vars(args), **results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
