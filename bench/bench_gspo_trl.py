@@ -1,0 +1,169 @@
+"""GSPO throughput: opd's loop against TRL's `GRPOTrainer(importance_sampling_level="sequence")`.
+
+    pip install trl "torch==2.13.0"          # benchmark-only dependency; keeps the CPU torch
+    python bench/bench_gspo_trl.py [--base runs/base] [--steps 6] [--prompts 8] [--group 8] [--threads 1]
+
+Both trainers start from the same weights and see the same kind of prompts (the capability's train
+split), group size, completion length, learning rate, clip range and number of updates per rollout
+batch: opd's `updates_per_batch` minibatches are TRL's `steps_per_generation`. opd keeps every group
+(no zero-variance dropping, no resampling) so both generate exactly prompts x group completions per
+rollout batch. Without --base (or when it does not exist) a lab-like Qwen3 is built with
+`opd.lab.model.build_model` and pre-trained on the capability for a few seconds, so rewards start
+between 0 and 1 and the learning curves can move.
+
+Prints the torch thread count, completion tokens per second of each trainer and their ratio, and
+the mean reward of each rollout batch for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def pretrained_lab_model(capability: str, hidden: int, layers: int, steps: int):
+    from opd.lab.data import MixtureStream, encode_sft
+    from opd.lab.model import ModelShape, build_model
+    from opd.lab.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    shape = ModelShape(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=2 * hidden, max_position_embeddings=64)
+    model = build_model(shape, tok, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    stream = MixtureStream({capability: 1.0}, seed=0)
+    for _ in range(steps):
+        loss = model(**encode_sft(tok, stream.next_batch(32))).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, tok
+
+
+def run_opd(model, tok, args) -> dict:
+    """opd's own loop (`opd.gspo.trainer.train`) with screening and checkpoints out of the way."""
+    from opd.expert.spec import ExpertSpec
+    from opd.gspo.trainer import train
+
+    spec = ExpertSpec(capability=args.capability, base="(in memory)", steps=args.steps, seed=args.seed,
+                      eval_every=10**6, checkpoint_every=10**6, max_minutes=10**6, threads=args.threads,
+                      gspo={"prompts_per_step": args.prompts, "group_size": args.group,
+                            "updates_per_batch": args.updates, "lr": args.lr, "eps_low": args.eps_low,
+                            "eps_high": args.eps_high, "max_new_tokens": args.max_new_tokens,
+                            "drop_zero_variance": False, "min_informative": 0.0, "max_resample": 0})
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        state = train(spec, model, tok, Path(d) / "state.pt", evaluate_fn=lambda m: 0.0, log=lambda *_: None)
+        seconds = time.perf_counter() - t0
+    # trained_tokens counts each completion token once per update pass over the batch
+    tokens = sum(r["trained_tokens"] / args.updates for r in state.history)
+    return {"seconds": seconds, "tokens": tokens, "rewards": [r["reward"] for r in state.history]}
+
+
+def run_trl(model, tok, args) -> dict:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from opd.capabilities import get_capability
+    from opd.capabilities.rewards import get_reward
+
+    cap = get_capability(args.capability)
+    verifier = get_reward("verifier")
+    rng = random.Random(f"trl|{args.capability}|{args.seed}")
+    items = [cap.sample(rng, "train") for _ in range(args.prompts * args.steps)]
+    data = Dataset.from_list([{"prompt": it.prompt, "answer": it.answer} for it in items])
+    tokens = []
+
+    def reward(completions, answer, **_):
+        # Re-encoding counts the generated tokens: the lab tokenizer has one token per character and
+        # its stop token "\n" is a character that TRL's decoding keeps.
+        tokens.append(sum(len(tok(c, add_special_tokens=False).input_ids) for c in completions))
+        return [verifier(c, a, cap) for c, a in zip(completions, answer)]
+
+    batch = args.prompts * args.group
+    with tempfile.TemporaryDirectory() as d:
+        config = GRPOConfig(
+            output_dir=d, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+            seed=args.seed, learning_rate=args.lr, max_grad_norm=1.0, lr_scheduler_type="constant",
+            importance_sampling_level="sequence", loss_type="grpo", beta=0.0,
+            epsilon=args.eps_low, epsilon_high=args.eps_high, scale_rewards="group",
+            num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0, top_k=0,
+            # one rollout batch of prompts x group, split into `updates` optimizer steps (as opd's minibatches)
+            per_device_train_batch_size=batch // args.updates, steps_per_generation=args.updates,
+            gradient_accumulation_steps=1, max_steps=args.steps * args.updates,
+            # stop where the lab's answers end (its generation_config lists "\n" and <eos>)
+            generation_kwargs={"eos_token_id": model.generation_config.eos_token_id},
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                              processing_class=tok)
+        t0 = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - t0
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"seconds": seconds, "tokens": sum(tokens), "rewards": rewards[:: max(1, len(rewards) // args.steps)]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="runs/base", help="HF model directory (default: a lab-like model built here)")
+    ap.add_argument("--capability", default="count")
+    ap.add_argument("--steps", type=int, default=6, help="rollout batches")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--updates", type=int, default=2, help="optimizer steps per rollout batch")
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eps-low", type=float, default=0.2)
+    ap.add_argument("--eps-high", type=float, default=0.28)
+    ap.add_argument("--hidden", type=int, default=64, help="width of the built model (no --base)")
+    ap.add_argument("--layers", type=int, default=2, help="blocks of the built model (no --base)")
+    ap.add_argument("--pretrain-steps", type=int, default=120, help="SFT steps of the built model (no --base)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (on a loaded 2-core box, 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        import trl
+    except ImportError:
+        print('bench_gspo_trl: TRL is not installed; it is a benchmark-only dependency:\n'
+              '  pip install trl "torch==2.13.0"   (the pin keeps the CPU torch)', file=sys.stderr)
+        return 2
+    if (args.prompts * args.group) % args.updates:
+        ap.error("--prompts x --group must be divisible by --updates")
+
+    torch.set_num_threads(args.threads)
+    if Path(args.base, "config.json").exists():
+        from opd.expert.build import load_base
+
+        model, tok = load_base(args.base)
+        source = args.base
+    else:
+        model, tok = pretrained_lab_model(args.capability, args.hidden, args.layers, args.pretrain_steps)
+        source = f"built: hidden {args.hidden}, {args.layers} layers, {args.pretrain_steps} SFT steps"
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; trl {trl.__version__}; model {source} "
+          f"({n_params / 1e6:.2f}M params); {args.capability}: {args.steps} batches x {args.prompts} prompts x "
+          f"{args.group} samples, <= {args.max_new_tokens} new tokens, {args.updates} updates per batch")
+
+    results = {}
+    for name, run in (("opd", run_opd), ("trl", run_trl)):
+        torch.manual_seed(args.seed)
+        results[name] = r = run(copy.deepcopy(model), tok, args)
+        print(f"{name}: {r['seconds']:.1f} s, {r['tokens']:.0f} completion tokens, "
+              f"{r['tokens'] / r['seconds']:.0f} tok/s, {r['seconds'] / args.steps:.2f} s per batch")
+    ratio = (results["opd"]["tokens"] / results["opd"]["seconds"]) / (results["trl"]["tokens"] / results["trl"]["seconds"])
+    print(f"opd / trl throughput: {ratio:.2f}x")
+    print("reward per rollout batch:")
+    for name, r in results.items():
+        print(f"  {name}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
