@@ -74,3 +74,22 @@ def deepspeed_wrap(spec):
         return engine, ds_opt, backward
 
     return wrap
+
+
+def load_optimizer_state(opt, state: dict) -> None:
+    """Restore what `opt.state_dict()` returned, for a torch optimizer or a DeepSpeed ZeRO-1/2 one.
+
+    A ZeRO optimizer's state is this rank's partition (fp32 master weights and Adam moments of
+    the flat groups), not a torch optimizer's per-parameter state: it can only go back into the
+    same kind of engine, after `wrap`. `state` is this rank's own; the list DeepSpeed takes is
+    indexed by data-parallel rank.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        opt.load_state_dict(state)
+        return
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt.load_state_dict([state if r == rank else None for r in range(world)], load_from_fp32_weights=True)
