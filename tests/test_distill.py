@@ -170,3 +170,22 @@ def test_bench_fast_path_runs(tmp_path):
     assert "tokens GSPO / OPD" in r.stdout and "threads 1" in r.stdout
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["OPD"]["tokens"] > 0 and res["GSPO"]["tokens"] > 0
+
+
+def test_run_config_refusals_and_server_teachers(tmp_path, tokenizer):
+    from opd.distill.config import load_run
+    from opd.distill.run import load_teachers
+    from opd.rollout.sglang import SGLangEngine
+
+    lab = build_fake_lab(tmp_path / "lab", ("count",))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"teachers": [str(lab["experts"]["count"])],
+                                    "teacher_servers": {"count": "http://127.0.0.1:1"}}))
+    assert load_run(path).name == "run"
+    with pytest.raises(OpdError, match="full estimator reads teachers' hidden states"):
+        load_run(path, ["distill.estimator=full"])
+    with pytest.raises(OpdError, match="field 'distill.bogus'"):
+        load_run(path, ["distill.bogus=1"])
+    teachers, manifests = load_teachers([str(lab["experts"]["count"])], tokenizer, {"count": "http://127.0.0.1:1"})
+    assert isinstance(teachers["count"].engine, SGLangEngine) and teachers["count"].model is None
+    assert manifests["count"]["capability"] == "count"

@@ -6,11 +6,13 @@ import random
 from dataclasses import dataclass
 
 import torch
+from opd_kernels import selective_log_softmax
 
 from opd.capabilities import get_capability
+from opd.distill.losses import scatter_tokens
 from opd.distill.routing import Routes
-from opd.distill.teachers import Teacher, completion_hidden
-from opd.gspo.batch import completion_logits, completion_targets, pad_sequences, token_logprobs
+from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
+from opd.gspo.batch import completion_targets, pad_sequences
 from opd.rollout import SamplingParams
 
 
@@ -44,7 +46,8 @@ def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Rand
 
 
 @torch.no_grad()
-def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Routes, pad_id: int) -> OpdBatch:
+def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Routes, pad_id: int,
+                kernel_chunk: int = 1024) -> OpdBatch:
     """Score every student token under each routed teacher and under the student itself."""
     rollouts = [r for g in groups for r in g]
     row_caps = [it.capability for it, g in zip(items, groups) for _ in g]
@@ -53,7 +56,10 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     ids, attn, cmask, plen = pad_sequences([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
     B, T = cmask.shape
     targets = completion_targets(ids, plen, T)
-    old_lp = token_logprobs(completion_logits(student, ids, attn, plen, T), targets) * cmask  # (B, T)
+    # the same chunked head as the update, so the first update's ratio is exactly 1
+    real = cmask.bool()
+    h = completion_hidden(student, ids, attn, plen, T)[real]  # (N, H)
+    old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk), cmask)
     names = sorted({t for ts in routes.values() for t in ts})
     teacher_lp = torch.zeros(len(names), B, T)
     weights = torch.zeros(len(names), B)

@@ -81,6 +81,8 @@ class DistillRun(BaseModel):
         None, description="init the student from this weight-space merge of the teachers: "
         "{strategy, shared, per_model, seed} as in opd.merge.methods.Candidate")
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    teacher_servers: dict[str, str] = Field(default_factory=dict, description="teacher name -> SGLang server URL "
+                                            "that serves it (GPU machines): it scores there, its weights are not loaded")
     out: str | None = Field(None, description="output directory (default runs/distill/<name>)")
     threads: int = Field(1, gt=0, description="torch CPU threads")
 
@@ -88,6 +90,11 @@ class DistillRun(BaseModel):
     def _check(self):
         if self.student_merge is not None and self.student != "base":
             raise ValueError("give student (a model directory) or student_merge, not both")
+        if self.teacher_servers and self.distill.estimator == "full":
+            raise ValueError("the full estimator reads teachers' hidden states in process; teacher_servers only "
+                             "return sampled-token log-probs: use estimator 'sampled'")
+        if self.teacher_servers and self.student_merge is not None:
+            raise ValueError("student_merge merges the teachers' weights, which teacher_servers leaves on the servers")
         return self
 
     @property

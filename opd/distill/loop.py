@@ -28,7 +28,7 @@ from opd.distill.losses import (
 )
 from opd.distill.routing import Routes, prompt_mix
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
-from opd.gspo.loss import group_advantages, gspo_loss, masked_mean
+from opd.gspo.loss import group_advantages, gspo_loss, k3_kl, masked_mean
 from opd.io import atomic_torch_save
 from opd.rollout import get_engine
 
@@ -62,6 +62,7 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
         new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
         if cfg.estimator == "sampled":
             loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
+            st.pop("kl")  # GSPO's reference-KL penalty is off here; the teacher KLs are logged as kl/<name>
         else:
             kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
             loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m), m)
@@ -75,11 +76,12 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
             stats.setdefault(k, []).append(v)
     out = {k: sum(v) / len(v) for k, v in stats.items()}
-    if cfg.estimator == "sampled":  # unbiased estimate of each teacher's reverse KL on this batch
+    if cfg.estimator == "sampled":
+        # k3 (unbiased and never negative, unlike the plain log ratio) for readable per-teacher curves
         for k, name in enumerate(batch.names):
             served = (batch.weights[k] > 0)[:, None] & real  # (B, T)
             if served.any():
-                out[f"kl/{name}"] = float(masked_mean(batch.old_lp - batch.teacher_lp[k], served.float()))
+                out[f"kl/{name}"] = float(masked_mean(k3_kl(batch.old_lp, batch.teacher_lp[k]), served.float()))
     return out
 
 
@@ -163,7 +165,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         items, groups = sample_batch(engine, routes, mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                      seed=cfg.seed * 100_003 + state.step)
-        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id)
+        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk)
         rec = {"step": state.step + 1, **opd_step(student, opt, batch, cfg, teachers)}
         for cap in dict.fromkeys(batch.row_caps):
             rows = [b for b, c in enumerate(batch.row_caps) if c == cap]

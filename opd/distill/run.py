@@ -13,10 +13,13 @@ from opd.distill.routing import resolve_routes
 from opd.distill.teachers import Teacher, embedded_teacher
 from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
+from opd.rollout import get_engine
 
 
-def load_teachers(names: list[str], tokenizer) -> tuple[dict[str, Teacher], dict[str, dict]]:
-    """Each expert as a frozen in-process teacher, and its manifest (as a dict) by teacher name."""
+def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = None
+                  ) -> tuple[dict[str, Teacher], dict[str, dict]]:
+    """Each expert as a frozen in-process teacher (or, when `servers` names it, a client of the SGLang
+    server at that URL), and its manifest (as a dict) by teacher name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.expert.manifest import load_manifest, resolve_expert
@@ -27,8 +30,12 @@ def load_teachers(names: list[str], tokenizer) -> tuple[dict[str, Teacher], dict
         m = load_manifest(path)
         if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
             raise OpdError(f"teacher {path.name!r}: its tokenizer differs from the student's; per-token KL needs one vocabulary")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-        teachers[path.name] = embedded_teacher(path.name, m.capability, model, tokenizer)
+        url = (servers or {}).get(path.name)
+        if url:
+            teachers[path.name] = Teacher(path.name, m.capability, get_engine("sglang", base_url=url, tokenizer=tokenizer))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+            teachers[path.name] = embedded_teacher(path.name, m.capability, model, tokenizer)
         manifests[path.name] = {"path": str(path), **m.model_dump(mode="json")}
     return teachers, manifests
 
@@ -74,7 +81,10 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     torch.set_num_threads(run.threads)
     out = run.out_dir
     tok0 = AutoTokenizer.from_pretrained(run.base)
-    teachers, manifests = load_teachers(run.teachers, tok0)
+    unknown = sorted(set(run.teacher_servers) - {Path(t).name for t in run.teachers})
+    if unknown:
+        raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {run.teachers}")
+    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers)
     student, tok = init_student(run, teachers, manifests)
     init_hash = state_dict_hash(student)
     routes = resolve_routes({n: t.capability for n, t in teachers.items()}, run.distill.routes)
