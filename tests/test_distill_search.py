@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -70,3 +74,32 @@ def test_search_runs_opd_next_to_merges(tmp_path):
     assert "On-policy distillation runs" in md and (recipe.out_dir / "opd_kl.png").stat().st_size > 0
     manifest = json.loads((recipe.out_dir / "best" / "manifest.json").read_text())
     assert manifest["kind"] in ("merged", "distilled")
+
+
+def test_killed_opd_trial_resumes_from_its_checkpoint(tmp_path):
+    lab = build_fake_lab(tmp_path / "lab", ("count", "rev"))
+    recipe_path = write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", strategies={"opd": {"lr": 1e-3}},
+                               budget={"n_trials": 1}, screening={"limit": None}, final_candidates=1,
+                               distill={"steps": 100_000, "prompts_per_step": 2, "group_size": 2,
+                                        "checkpoint_every": 1})
+    env = {**os.environ, "OPD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "opd.merge", "--recipe", str(recipe_path), "--no-live"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = tmp_path / "out" / "opd" / "trial-0" / "state.pt"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists() and torch.load(ckpt, weights_only=False)["state"]["step"] >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "search ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = torch.load(ckpt, weights_only=False)["state"]["step"]
+    # the step count is not part of a run's identity: the resumed trial finishes sooner
+    os.environ["OPD_CACHE"] = str(tmp_path / "cache")
+    summary = run_recipe(load_recipe(recipe_path, [f"distill.steps={killed_at + 1}"]), resume=True, live=False,
+                         log=lambda *a: None)
+    (trial,) = summary["trials"]
+    assert trial["number"] == 1 and trial["resume_of"] == 0 and trial["candidate"]["seed"] == 0
+    assert [h["step"] for h in trial["opd_history"]] == list(range(1, killed_at + 2))
+    assert not ckpt.exists() and ckpt.with_name("student.safetensors").exists()

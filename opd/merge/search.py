@@ -128,7 +128,8 @@ def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Can
     shared = {p: pick(f"{name}.{p}", v) for p, v in params.items() if p in strategy.shared}
     per_model = {e: {p: pick(f"{name}.{p}.{e}", v) for p, v in params.items() if p in strategy.per_model}
                  for e in experts}
-    return Candidate(strategy=name, shared=shared, per_model=per_model, seed=recipe.seed + trial.number)
+    number = trial.user_attrs.get("resume_of", trial.number)  # a requeued OPD trial keeps its seed
+    return Candidate(strategy=name, shared=shared, per_model=per_model, seed=recipe.seed + number)
 
 
 def make_sampler(recipe: MergeRecipe, offset: int = 0) -> optuna.samplers.BaseSampler:
@@ -167,9 +168,15 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
         raise OpdError(f"study {recipe.name!r} in {recipe.storage_url} was made with other {changed}: "
                        "restore them, or give the recipe another name or out directory")
     if exists and resume and not worker:
-        # A killed single-worker run leaves its trial RUNNING forever; it is redone, not kept.
+        # A killed single-worker run leaves its trial RUNNING forever; it is redone, not kept. An OPD
+        # trial is queued again with its own parameters, seed and init, so its run continues from its
+        # checkpoint instead of starting over.
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            cand = t.user_attrs.get("candidate")
+            if cand and get_strategy(cand["strategy"]).distill:
+                study.enqueue_trial(t.params, user_attrs={"resume_of": t.user_attrs.get("resume_of", t.number),
+                                                          "opd_init": t.user_attrs.get("opd_init")})
     study.set_user_attr("recipe", mine)
     return study
 
@@ -190,7 +197,7 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
     def objective(trial: optuna.Trial) -> list[float]:
         cand = suggest(trial, recipe, experts)
         trial.set_user_attr("candidate", cand.model_dump(mode="json"))
-        if get_strategy(cand.strategy).distill:
+        if get_strategy(cand.strategy).distill and "resume_of" not in trial.user_attrs:
             init = opd_init(cand, trial.study)
             trial.set_user_attr("opd_init", init.model_dump(mode="json") if init else None)
         sd = merge(inputs, cand, recipe, trial, refs)
@@ -242,7 +249,8 @@ def final_candidates(recipe: MergeRecipe, study: optuna.Study) -> list[optuna.tr
 def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = None, trial=None,
           refs: References | None = None) -> dict:
     """The candidate's weights: a mergekit merge, or for an OPD strategy the student trained (once per
-    trial, then read from <out>/opd/trial-<n>/) from the init recorded in the trial."""
+    trial, then read from <out>/opd/trial-<n>/, n the trial it resumes if requeued) from the init
+    recorded in the trial."""
     if not get_strategy(cand.strategy).distill:
         return merge_candidate(cand, str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()},
                                inputs.base_sd, inputs.expert_sds)
@@ -258,7 +266,8 @@ def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = Non
             return {c: s.score for c, s in evaluate(m, inputs.tokenizer, inputs.capabilities, "val",
                                                     limit=recipe.distill.eval_limit,
                                                     batch_size=recipe.eval_batch_size).items()}
-    sd, history = opd_student(inputs, cand, recipe, init_sd, recipe.out_dir / "opd" / f"trial-{trial.number}",
+    number = trial.user_attrs.get("resume_of", trial.number)
+    sd, history = opd_student(inputs, cand, recipe, init_sd, recipe.out_dir / "opd" / f"trial-{number}",
                               evaluate_fn=evaluate_fn, references=refs.val if refs else None)
     if isinstance(trial, optuna.Trial):
         trial.set_user_attr("opd_history", history)
