@@ -189,3 +189,25 @@ def test_run_config_refusals_and_server_teachers(tmp_path, tokenizer):
     teachers, manifests = load_teachers([str(lab["experts"]["count"])], tokenizer, {"count": "http://127.0.0.1:1"})
     assert isinstance(teachers["count"].engine, SGLangEngine) and teachers["count"].model is None
     assert manifests["count"]["capability"] == "count"
+
+
+def test_student_from_a_merge_of_the_teachers(tmp_path):
+    from opd.distill.config import DistillRun
+    from opd.distill.run import run_distill
+
+    lab = build_fake_lab(tmp_path / "lab", ("count", "rev"))
+    merge = {"strategy": "linear", "per_model": {"count": {"weight": 1.0}, "rev": {"weight": 1.0}}}
+    run = DistillRun(name="m", base=str(lab["base"]), teachers=[str(p) for p in lab["experts"].values()],
+                     student_merge=merge, out=str(tmp_path / "out"),
+                     distill={"steps": 1, "prompts_per_step": 2, "group_size": 2, "estimator": "full"})
+    m = run_distill(run, log=lambda *_: None, evaluate=False)
+    from safetensors.torch import load_file
+
+    # the student started from the mean of the two teachers, then took one step away from it
+    a, b = (load_file(p / "model.safetensors") for p in lab["experts"].values())
+    k = "model.layers.0.mlp.up_proj.weight"
+    start = (a[k] + b[k]) / 2
+    got = load_file(tmp_path / "out" / "model.safetensors")[k]
+    # one AdamW step at lr 3e-4 moves a weight by about 3e-4; the teachers sit ~1e-2 from their mean
+    assert (got - start).abs().max() < 1e-3 < (a[k] - start).abs().max()
+    assert m["student_init_hash"] != m["content_hash"] and m["run"]["student_merge"]["strategy"] == "linear"

@@ -53,7 +53,9 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     row_caps = [it.capability for it, g in zip(items, groups) for _ in g]
     rewards = torch.tensor([[get_capability(it.capability).verify(r.text, it.answer) for r in g]
                             for it, g in zip(items, groups)], dtype=torch.float32)  # (P, G)
-    ids, attn, cmask, plen = pad_sequences([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
+    device = next(student.parameters()).device
+    padded = pad_sequences([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
+    ids, attn, cmask, plen = (x.to(device) for x in padded)
     B, T = cmask.shape
     targets = completion_targets(ids, plen, T)
     # the same chunked head as the update, so the first update's ratio is exactly 1
@@ -72,7 +74,8 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
         for b, lps in zip(rows, scored):
             teacher_lp[k, b, : len(lps)] = torch.tensor(lps)
             weights[k, b] = routes[row_caps[b]][name]
-    return OpdBatch(ids, attn, cmask, plen, targets, old_lp, teacher_lp, weights, rewards, row_caps, names,
+    return OpdBatch(ids, attn, cmask, plen, targets, old_lp, teacher_lp.to(device), weights.to(device),
+                    rewards.to(device), row_caps, names,
                     gen_tokens=int(cmask.sum()))
 
 
@@ -81,8 +84,8 @@ def teacher_hidden(batch: OpdBatch, teachers: dict[str, Teacher]) -> list[torch.
     """Per teacher, its final hidden states at every real token (N, H), zeros on tokens it does not
     serve: the full estimator's constant targets, computed once per batch on the routed rows only."""
     real = batch.cmask.bool()  # (B, T)
-    tok_index = torch.full(real.shape, -1, dtype=torch.long)
-    tok_index[real] = torch.arange(int(real.sum()))
+    tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)
+    tok_index[real] = torch.arange(int(real.sum()), device=real.device)
     out = []
     T = batch.cmask.shape[1]
     for k, name in enumerate(batch.names):
@@ -90,7 +93,7 @@ def teacher_hidden(batch: OpdBatch, teachers: dict[str, Teacher]) -> list[torch.
         if model is None:
             raise ValueError(f"teacher {name!r} has no in-process model: the full estimator needs its hidden states")
         rows = batch.weights[k].nonzero().squeeze(1)
-        h = torch.zeros(int(real.sum()), model.config.hidden_size)
+        h = torch.zeros(int(real.sum()), model.config.hidden_size, device=real.device)
         if len(rows):
             hk = completion_hidden(model, batch.ids[rows], batch.attn[rows], batch.plen[rows], T)  # (b, T, H)
             h[tok_index[rows][real[rows]]] = hk[real[rows]].float()

@@ -85,6 +85,7 @@ class DistillRun(BaseModel):
                                             "that serves it (GPU machines): it scores there, its weights are not loaded")
     out: str | None = Field(None, description="output directory (default runs/distill/<name>)")
     threads: int = Field(1, gt=0, description="torch CPU threads")
+    device: str = Field("cpu", description="torch device of the student and the in-process teachers (e.g. cuda)")
 
     @model_validator(mode="after")
     def _check(self):

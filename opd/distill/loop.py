@@ -44,8 +44,8 @@ class DistillState:
 def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher]) -> dict:
     """Minibatch updates on one batch; returns loss, clip and per-teacher KL statistics."""
     cmask, real = batch.cmask, batch.cmask.bool()
-    tok_index = torch.full(real.shape, -1, dtype=torch.long)  # (B, T) -> index among the N real tokens
-    tok_index[real] = torch.arange(int(real.sum()))
+    tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
+    tok_index[real] = torch.arange(int(real.sum()), device=real.device)
     reward_adv = group_advantages(batch.rewards).reshape(-1)  # (B,)
     if cfg.estimator == "sampled":
         adv = cfg.kl_weight * sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights),
@@ -55,7 +55,7 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
     else:
         t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
-    for rows in torch.randperm(len(cmask)).chunk(cfg.updates_per_batch):
+    for rows in torch.randperm(len(cmask)).to(cmask.device).chunk(cfg.updates_per_batch):
         m, r = cmask[rows], real[rows]
         h = completion_hidden(student, batch.ids[rows], batch.attn[rows], batch.plen[rows], cmask.shape[1])[r]  # (n, H)
         W = lm_head_weight(student)  # (V, H)
@@ -88,7 +88,7 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
 def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
     """Exact sum_k w_k KL(pi_s || pi_k) per real token of `rows` (n,), and each teacher's mean KL."""
     row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
-    kl = torch.zeros(h.shape[0])
+    kl = torch.zeros(h.shape[0], device=h.device)
     st = {}
     for k, name in enumerate(batch.names):
         w = batch.weights[k, row_of_tok]  # (n,)

@@ -16,7 +16,7 @@ from opd.io import atomic_dir, atomic_write_json, state_dict_hash
 from opd.rollout import get_engine
 
 
-def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = None
+def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = None, device: str = "cpu"
                   ) -> tuple[dict[str, Teacher], dict[str, dict]]:
     """Each expert as a frozen in-process teacher (or, when `servers` names it, a client of the SGLang
     server at that URL), and its manifest (as a dict) by teacher name."""
@@ -34,7 +34,7 @@ def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = 
         if url:
             teachers[path.name] = Teacher(path.name, m.capability, get_engine("sglang", base_url=url, tokenizer=tokenizer))
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").to(device)
             teachers[path.name] = embedded_teacher(path.name, m.capability, model, tokenizer)
         manifests[path.name] = {"path": str(path), **m.model_dump(mode="json")}
     return teachers, manifests
@@ -66,7 +66,7 @@ def init_student(run: DistillRun, teachers: dict[str, Teacher], manifests: dict[
     if run.student_merge is not None:
         cand = Candidate.model_validate(run.student_merge)
         base_sd = {k: v.detach().clone() for k, v in merge_keys(model.state_dict()).items()}
-        sds = {n: merge_keys(t.model.state_dict()) for n, t in teachers.items()}
+        sds = {n: {k: v.cpu() for k, v in merge_keys(t.model.state_dict()).items()} for n, t in teachers.items()}
         merged = merge_candidate(cand, run.base, {n: manifests[n]["path"] for n in teachers}, base_sd, sds)
         model.load_state_dict(merged, strict=False)  # tied lm_head follows the embedding
     return model, tok
@@ -84,8 +84,9 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     unknown = sorted(set(run.teacher_servers) - {Path(t).name for t in run.teachers})
     if unknown:
         raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {run.teachers}")
-    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers)
+    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, run.device)
     student, tok = init_student(run, teachers, manifests)
+    student.to(run.device)
     init_hash = state_dict_hash(student)
     routes = resolve_routes({n: t.capability for n, t in teachers.items()}, run.distill.routes)
     caps = list(routes)
