@@ -84,12 +84,16 @@ def load_optimizer_state(opt, state: dict) -> None:
     same kind of engine, after `wrap`. `state` is this rank's own; the list DeepSpeed takes is
     indexed by data-parallel rank.
     """
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    import torch
 
-    if not isinstance(opt, DeepSpeedZeroOptimizer):
+    if isinstance(opt, torch.optim.Optimizer):  # plain torch: no DeepSpeed import on this path
         opt.load_state_dict(state)
         return
     import torch.distributed as dist
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        raise TypeError(f"load_optimizer_state: {type(opt).__name__} is neither a torch nor a ZeRO-1/2 optimizer")
 
     rank, world = dist.get_rank(), dist.get_world_size()
     opt.load_state_dict([state if r == rank else None for r in range(world)], load_from_fp32_weights=True)
