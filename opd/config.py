@@ -42,7 +42,11 @@ def load_yaml_model(path: str | Path, model: type[M], what: str, overrides: list
     if not path.exists():
         raise OpdError(f"{path}: {what} not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise OpdError(f"{path}: cannot be read as UTF-8 text ({type(e).__name__})") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):

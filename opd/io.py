@@ -8,10 +8,36 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(final: Path) -> None:
+    """Clean up after a process killed inside `atomic_dir`: drop its temp dirs, and if it died
+    between the two renames (old moved away, new not yet in place) put the old version back."""
+    for p in final.parent.glob(f".{final.name}.old-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.rename(final)
+    for p in final.parent.glob(f".{final.name}.tmp-*"):
+        pid = p.name[len(f".{final.name}.tmp-"):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -19,7 +45,8 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp directory next to `final`; on success it replaces `final` in one rename."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    sweep_stale(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         yield tmp
         if final.exists():

@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("spec", help="expert spec YAML (experts/<capability>.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. gspo.lr=1e-3 steps=50")
     ap.add_argument("--out", default=None, help="output directory (default: experts/<name>)")
-    ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+    ap.add_argument("--fresh", action="store_true",
+                    help="start over: ignore a checkpoint, and train a new version even if this spec's expert exists")
     args = ap.parse_args(argv)
 
     from opd.expert.run import run_expert

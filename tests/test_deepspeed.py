@@ -70,8 +70,6 @@ def test_zero2_single_process_cli(trained_pico_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="every rank runs lm-eval (which returns None where LOCAL_RANK != 0) "
-                   "and writes the expert; needs rank-0-only scoring and writing in opd/expert/run.py")
 def test_zero2_two_cpu_ranks_torchrun(trained_pico_dir, tmp_path):
     """Two gloo ranks on one machine: torchrun sets RANK/WORLD_SIZE/MASTER_* for each."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))

@@ -6,7 +6,7 @@ so that small models get signal before they are ever fully right.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from opd.capabilities.base import Capability
 from opd.errors import OpdError

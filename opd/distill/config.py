@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from opd.errors import OpdError, format_validation_error
+from opd.config import load_yaml_model
 
 Estimator = Literal["sampled", "full"]
 
@@ -105,22 +104,5 @@ class DistillRun(BaseModel):
 
 def load_run(path: str | Path, overrides: list[str] = ()) -> DistillRun:
     """A run YAML (plus dotted `key=value` overrides) as a validated DistillRun; errors name the file."""
-    from opd.merge.recipe import apply_overrides
-
-    path = Path(path)
-    if not path.exists():
-        raise OpdError(f"{path}: distillation run file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise OpdError(f"{path}: expected a mapping of fields at the top level")
-    raw.setdefault("name", path.stem)
-    apply_overrides(raw, list(overrides))
-    try:
-        return DistillRun.model_validate(raw)
-    except ValidationError as e:
-        raise OpdError(format_validation_error(str(path), e)) from None
-    except OpdError as e:
-        raise OpdError(f"{path}: {e}") from None
+    return load_yaml_model(path, DistillRun, "distillation run file", list(overrides),
+                           defaults={"name": Path(path).stem})

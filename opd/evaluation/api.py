@@ -6,9 +6,13 @@ import functools
 import json
 import logging
 import os
+import random
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from opd.capabilities import EVAL_SPLITS, get_capability
 from opd.errors import OpdError
@@ -96,10 +100,22 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
     lm.generate_until = functools.partial(HFLM.generate_until, lm, disable_tqdm=True)
     tm = TaskManager(include_path=_include_path(capabilities), include_defaults=False)
     names = {task_name(c, split): c for c in capabilities}
-    out = lm_eval.simple_evaluate(
-        model=lm, tasks=list(names), task_manager=tm, limit=limit, log_samples=False,
-        verbosity="ERROR",
-    )
+    # simple_evaluate reseeds every RNG and returns None off LOCAL_RANK 0: evaluation must not
+    # change a training run's random stream (or a cached score would change the run), and every
+    # rank of a distributed trainer scores its own copy.
+    py_state, np_state = random.getstate(), np.random.get_state()
+    local_rank = os.environ.pop("LOCAL_RANK", None)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            out = lm_eval.simple_evaluate(
+                model=lm, tasks=list(names), task_manager=tm, limit=limit, log_samples=False,
+                verbosity="ERROR",
+            )
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
     model.train(was_training)
     scores = {}
     for tname, c in names.items():

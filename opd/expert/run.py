@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from opd.evaluation.api import evaluate
 from opd.expert.build import base_capabilities, default_out, load_base, write_expert
 from opd.expert.spec import ExpertSpec
 from opd.gspo.trainer import train
-from opd.io import state_dict_hash
+from opd.io import state_dict_hash, sweep_stale
 
 console = Console(stderr=True)
 
@@ -30,8 +32,16 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
         caps = [spec.capability, *caps]
     # next to the output, so two runs writing different outputs never share a checkpoint
     ckpt = out.parent / f".{out.name}.ckpt" / "state.pt"
+    sweep_stale(out)  # temp dirs of a run killed while writing
     if fresh and ckpt.parent.exists():
         shutil.rmtree(ckpt.parent)
+    done = _already_written(spec, out, base_hash)
+    if done is not None and not fresh:
+        # Same spec, same base: nothing changed (also the case of a run killed right after writing).
+        console.print(f"{out} already holds this spec's expert (version {done['version']}); nothing to do "
+                      "(--fresh trains a new version)")
+        shutil.rmtree(ckpt.parent, ignore_errors=True)
+        return done
 
     def screen(m) -> float:
         return evaluate(m, tok, [spec.capability], "val", limit=spec.eval_limit)[spec.capability].score
@@ -55,7 +65,10 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
             bar.update(task, completed=state.step, info=info)
 
         state = train(spec, model, tok, ckpt, evaluate_fn=screen, log=console.print, progress=progress, wrap=wrap)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}  # rank 0 scores and writes the expert
     manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print)
+    shutil.rmtree(ckpt.parent, ignore_errors=True)
     base_scores = {c: s.score for c, s in evaluate(load_base(base_dir)[0], tok, caps, "test",
                                                    model_hash=base_hash).items()}
     table = Table(title=f"expert {spec.expert_name} (test split, lm-eval)")
@@ -68,5 +81,13 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     Console().print(table)
     console.print(f"wrote {out} (version {manifest['version']}, {state.step} steps, "
                   f"best step {state.best_step}, {state.elapsed / 60:.1f} min)")
-    shutil.rmtree(ckpt.parent, ignore_errors=True)
     return manifest
+
+
+def _already_written(spec: ExpertSpec, out: Path, base_hash: str) -> dict | None:
+    mf = out / "manifest.json"
+    if not mf.exists():
+        return None
+    m = json.loads(mf.read_text())
+    same = m.get("spec") == spec.model_dump(mode="json") and m["base"]["content_hash"] == base_hash
+    return m if same else None

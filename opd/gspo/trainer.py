@@ -8,6 +8,7 @@ RNG states, prompt cursor, best-so-far) is written every `checkpoint_every` step
 from __future__ import annotations
 
 import copy
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -102,23 +103,40 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
     return out
 
 
+def _rank_path(path: Path, rank: int) -> Path:
+    return path if rank == 0 else path.with_name(f"{path.stem}-rank{rank}{path.suffix}")
+
+
+def _same_size_on_all_ranks(kept: list) -> list:
+    """DeepSpeed needs the same number of backward calls on every rank: keep the smallest count
+    of groups any rank kept (0 everywhere means every rank skips the update)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return kept
+    n = torch.tensor([len(kept)])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    return kept[: int(n)]
+
+
 def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random, spec: ExpertSpec) -> None:
     atomic_torch_save({"spec": spec.model_dump(mode="json"), "model": model.state_dict(),
                        "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
                        "torch_rng": torch.get_rng_state()}, path)
 
 
-def load_checkpoint(path: Path, model, opt, rng: random.Random, spec: ExpertSpec) -> RunState | None:
+def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec) -> tuple[RunState, dict] | None:
+    """Restore model and RNGs; the optimizer state is returned, to be loaded once the optimizer
+    is final (a DeepSpeed ZeRO optimizer only exists after `wrap`)."""
     if not path.exists():
         return None
     ck = torch.load(path, weights_only=False)
     if ck["spec"] != spec.model_dump(mode="json"):
         return None
     model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optim"])
     rng.setstate(ck["rng"])
     torch.set_rng_state(ck["torch_rng"])
-    return RunState(**ck["state"])
+    return RunState(**ck["state"]), ck["optim"]
 
 
 def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, log=print,
@@ -132,9 +150,12 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     cap = get_capability(spec.capability)
     opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=(0.9, 0.99), weight_decay=0.0)
     ref_model = copy.deepcopy(model).eval() if g.kl_coef > 0 else None
-    rng = random.Random(f"gspo|{spec.capability}|{spec.seed}")
-    torch.manual_seed(spec.seed)
-    state = load_checkpoint(ckpt_path, model, opt, rng, spec)
+    # Each rank of a data-parallel run samples its own prompts and completions.
+    rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
+    rng = random.Random(f"gspo|{spec.capability}|{spec.seed}" + (f"|{rank}" if rank else ""))
+    torch.manual_seed(spec.seed + rank)
+    loaded = load_checkpoint(_rank_path(ckpt_path, rank), model, rng, spec)
+    state, optim_state = loaded if loaded else (None, None)
     if state is None:
         state = RunState(temperature=g.temperature)
         state.best_score = evaluate_fn(model)
@@ -144,13 +165,20 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         log(f"resuming {spec.expert_name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
     backward = None
     if wrap is not None:
+        from opd.gspo.ds import load_optimizer_state
+
         model, opt, backward = wrap(model, opt)
+        if optim_state is not None:
+            load_optimizer_state(opt, optim_state)
+    elif optim_state is not None:
+        opt.load_state_dict(optim_state)
     policy = getattr(model, "module", model)
     engine = get_engine(spec.engine, model=policy, tokenizer=tokenizer, **spec.engine_args)
     t0 = time.time() - state.elapsed
     while state.step < spec.steps and time.time() - t0 < spec.max_minutes * 60:
         t_roll = time.time()
-        kept, share, gen_tokens = _rollout_batch(engine, cap, rng, spec, state, seed=spec.seed * 100_003 + state.step)
+        kept, share, gen_tokens = _rollout_batch(engine, cap, rng, spec, state,
+                                                 seed=spec.seed * 100_003 + state.step + rank * 1_000_003)
         t_roll = time.time() - t_roll
         # Stalled groups carry no signal: raise temperature while informative groups are scarce.
         if share < g.min_informative:
@@ -158,6 +186,8 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         elif share > 0.8 and state.temperature > g.temperature:
             state.temperature = max(g.temperature, state.temperature / 1.1)
         t_upd = time.time()
+        if backward is not None:
+            kept = _same_size_on_all_ranks(kept)
         st = gspo_step(model, opt, ref_model, kept, spec, tokenizer.pad_token_id, backward) if kept else {}
         t_upd = time.time() - t_upd
         engine.sync_weights(policy)
@@ -179,5 +209,5 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         if progress:
             progress(state, rec)
         if state.step % spec.checkpoint_every == 0:
-            save_checkpoint(ckpt_path, policy, opt, state, rng, spec)
+            save_checkpoint(_rank_path(ckpt_path, rank), policy, opt, state, rng, spec)
     return state

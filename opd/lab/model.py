@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 
 class ModelShape(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    hidden_size: int = Field(192, description="width of the residual stream")
-    num_hidden_layers: int = Field(4, description="transformer blocks")
-    num_attention_heads: int = Field(6, description="query heads")
-    num_key_value_heads: int = Field(2, description="key/value heads (GQA)")
-    intermediate_size: int = Field(512, description="MLP width")
-    max_position_embeddings: int = Field(64, description="longest prompt + answer, in characters")
+    hidden_size: int = Field(192, gt=0, description="width of the residual stream")
+    num_hidden_layers: int = Field(4, gt=0, description="transformer blocks")
+    num_attention_heads: int = Field(6, gt=0, description="query heads")
+    num_key_value_heads: int = Field(2, gt=0, description="key/value heads (GQA)")
+    intermediate_size: int = Field(512, gt=0, description="MLP width")
+    max_position_embeddings: int = Field(64, gt=0, description="longest prompt + answer, in characters")
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("hidden_size must divide by num_attention_heads, and heads by num_key_value_heads")
+        return self
 
 
 def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen3ForCausalLM:

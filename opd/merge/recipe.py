@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from opd.config import load_yaml_model
 from opd.distill.config import DistillConfig
-from opd.errors import OpdError, format_validation_error
+from opd.errors import OpdError
 
 Scalar = bool | int | float | str
 
@@ -124,40 +124,8 @@ class MergeRecipe(BaseModel):
         return self.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` overrides (values parsed as YAML) to a nested dict, in place."""
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise OpdError(f"override {item!r}: expected key=value (dotted keys for nested fields)")
-        node = raw
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise OpdError(f"override {item!r}: {p!r} is not a mapping")
-        node[leaf] = yaml.safe_load(value)
-    return raw
-
-
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> MergeRecipe:
-    path = Path(path)
-    if not path.exists():
-        raise OpdError(f"{path}: merge recipe not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise OpdError(f"{path}: expected a mapping of fields at the top level")
-    raw.setdefault("name", path.stem)
-    apply_overrides(raw, list(overrides))
-    try:
-        return MergeRecipe.model_validate(raw)
-    except ValidationError as e:
-        raise OpdError(format_validation_error(str(path), e)) from None
-    except OpdError as e:
-        raise OpdError(f"{path}: {e}") from None
+    return load_yaml_model(path, MergeRecipe, "merge recipe", list(overrides), defaults={"name": Path(path).stem})
 
 
 class MergeInputs:
