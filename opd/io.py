@@ -47,6 +47,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; an artifact directory is not
     try:
         yield tmp
         if final.exists():
