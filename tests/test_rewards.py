@@ -20,3 +20,24 @@ def test_partial_credit_hand_values():
 def test_unknown_reward():
     with pytest.raises(OpdError, match="choose one of: partial, verifier"):
         get_reward("nope")
+
+
+def test_guarded_reward_counts_errors_and_timeouts():
+    import time
+
+    from opd.capabilities.rewards import GuardedReward
+
+    cap = get_capability("sort")
+
+    def flaky(completion, answer, cap):
+        if completion == "boom":
+            raise ValueError("user reward bug")
+        if completion == "hang":
+            time.sleep(5)
+        return 2.0 if completion == "big" else float(completion == answer)
+
+    g = GuardedReward(flaky, timeout_s=0.2)
+    t0 = time.time()
+    assert [g(c, "01127", cap) for c in ("01127", "boom", "hang", "big", "x")] == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert time.time() - t0 < 2  # the hang was cut at 0.2 s
+    assert (g.errors, g.timeouts) == (1, 1)

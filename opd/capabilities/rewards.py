@@ -37,3 +37,45 @@ def get_reward(name: str) -> Reward:
         return REWARDS[name]
     except KeyError:
         raise OpdError(f"unknown reward {name!r}; choose one of: {', '.join(sorted(REWARDS))}") from None
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+class GuardedReward:
+    """Call a reward with a time limit; a reward that raises or hangs scores 0 and is counted.
+
+    A user's reward function must not take a training run down: exceptions and timeouts become
+    reward 0, and `errors` / `timeouts` are logged with the step's statistics. The limit uses
+    SIGALRM, so it applies in the main thread (elsewhere the call runs unguarded by time).
+    """
+
+    def __init__(self, reward: Reward, timeout_s: float):
+        self.reward, self.timeout_s = reward, timeout_s
+        self.errors = self.timeouts = 0
+
+    def __call__(self, completion: str, answer: str, cap: Capability) -> float:
+        import signal
+        import threading
+
+        timed = self.timeout_s > 0 and threading.current_thread() is threading.main_thread()
+        if timed:
+            def _raise(signum, frame):
+                raise RewardTimeout
+
+            previous = signal.signal(signal.SIGALRM, _raise)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+        try:
+            value = float(self.reward(completion, answer, cap))
+            return min(1.0, max(0.0, value)) if value == value else 0.0  # NaN scores 0
+        except RewardTimeout:
+            self.timeouts += 1
+            return 0.0
+        except Exception:
+            self.errors += 1
+            return 0.0
+        finally:
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)

@@ -121,7 +121,7 @@ def load_checkpoint(path: Path, student, opt, rng: random.Random, cfg: DistillCo
     """The saved state when `path` holds a checkpoint of this config (up to RESUMABLE_FIELDS), else None."""
     if not path.exists():
         return None
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=True)
     if ck["config"] != _identity(cfg):
         return None
     student.load_state_dict(ck["model"])

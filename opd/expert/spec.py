@@ -42,6 +42,7 @@ class ExpertSpec(BaseModel):
     base: str = Field("runs/base", description="base model directory (HF format)")
     seed: int = Field(0, description="seed for sampling and the prompt stream")
     reward: Literal["verifier", "partial"] = Field("verifier", description="training reward (opd.capabilities.rewards); eval always uses the verifier")
+    reward_timeout_s: float = Field(2.0, ge=0, description="a reward call taking longer scores 0 and is counted (0 = no limit)")
     difficulty: int | None = Field(None, description="prompt difficulty; default: the capability's (the eval's)")
     steps: int = Field(200, gt=0, description="rollout batches (upper bound; max_minutes may stop earlier)")
     max_minutes: float = Field(10.0, gt=0, description="wall-clock budget; the best checkpoint by validation is kept")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from opd.capabilities import get_capability
-from opd.capabilities.rewards import get_reward
+from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec
 from opd.gspo.batch import completion_logits, completion_targets, pad_sequences, token_entropy, token_logprobs
 from opd.gspo.loss import group_advantages, gspo_loss
@@ -39,7 +39,7 @@ class RunState:
 def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: int):
     """Sample groups until `min_informative` of them have mixed rewards (or resampling runs out)."""
     g = spec.gspo
-    reward = get_reward(spec.reward)
+    reward = GuardedReward(get_reward(spec.reward), spec.reward_timeout_s)
     params = SamplingParams(temperature=state.temperature,
                             max_new_tokens=g.max_new_tokens or cap.max_new_tokens + 1, seed=seed)
     kept, seen, gen_tokens = [], 0, 0
@@ -56,7 +56,8 @@ def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: in
         if len(kept) >= g.min_informative * g.prompts_per_step:
             break
     informative = sum(max(r) > min(r) for _, r in kept)
-    return kept[: g.prompts_per_step], informative / max(1, seen), gen_tokens
+    failures = {"reward_errors": reward.errors, "reward_timeouts": reward.timeouts}
+    return kept[: g.prompts_per_step], informative / max(1, seen), gen_tokens, failures
 
 
 def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backward=None) -> dict:
@@ -130,7 +131,7 @@ def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec) -> 
     is final (a DeepSpeed ZeRO optimizer only exists after `wrap`)."""
     if not path.exists():
         return None
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=True)
     if ck["spec"] != spec.model_dump(mode="json"):
         return None
     model.load_state_dict(ck["model"])
@@ -177,7 +178,7 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     t0 = time.time() - state.elapsed
     while state.step < spec.steps and time.time() - t0 < spec.max_minutes * 60:
         t_roll = time.time()
-        kept, share, gen_tokens = _rollout_batch(engine, cap, rng, spec, state,
+        kept, share, gen_tokens, failures = _rollout_batch(engine, cap, rng, spec, state,
                                                  seed=spec.seed * 100_003 + state.step + rank * 1_000_003)
         t_roll = time.time() - t_roll
         # Stalled groups carry no signal: raise temperature while informative groups are scarce.
@@ -194,7 +195,7 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         state.step += 1
         rec = {"step": state.step, "informative": share, "temperature": state.temperature,
                "groups": len(kept), "rollout_tok_s": gen_tokens / max(t_roll, 1e-9),
-               "train_tok_s": st.get("trained_tokens", 0) / max(t_upd, 1e-9), **st}
+               "train_tok_s": st.get("trained_tokens", 0) / max(t_upd, 1e-9), **failures, **st}
         if state.step % spec.eval_every == 0:
             rec["val"] = evaluate_fn(policy)
             if rec["val"] > state.best_score:

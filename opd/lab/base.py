@@ -92,7 +92,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     torch.manual_seed(spec.seed)
     state = {"step": 0, "best": None, "history": [], "elapsed": 0.0}
     if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
+        ck = torch.load(ckpt_path, weights_only=True)
         if ck["spec"] != spec.training_fields():
             raise OpdError(f"{ckpt_path}: checkpoint was made by another spec; delete it to start over")
         model.load_state_dict(ck["model"])
