@@ -29,6 +29,9 @@ class Budget(BaseModel):
     timeout_s: float | None = Field(None, gt=0, description="wall-clock limit for this process's search")
     per_strategy: dict[str, int] = Field(default_factory=dict, description="most trials a strategy may take "
                                          "(e.g. {opd: 4}: OPD trials cost minutes, a merge trial seconds)")
+    warm_fraction: float = Field(0.25, gt=0, le=1, description="a study warm-started from an earlier run of "
+                                 "the recipe (an expert was retrained) stops at this fraction of n_trials: it "
+                                 "tries that run's best settings first instead of searching from scratch")
 
     @model_validator(mode="after")
     def _some_limit(self):
@@ -157,12 +160,13 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     from opd.expert.manifest import load_manifest, resolve_expert
     from opd.io import state_dict_hash
 
-    base_path = Path(recipe.base)
+    # absolute: mergekit reads a relative path that is not a directory as a hub model id
+    base_path = Path(recipe.base).resolve()
     if not (base_path / "config.json").exists():
         raise OpdError(f"base {base_path}: not a model directory (build it with scripts/build_base.py or set base=)")
     paths = {}
     for e in recipe.experts:
-        p = resolve_expert(e)
+        p = resolve_expert(e).resolve()
         name = p.name
         if name in paths or name == "base":
             raise OpdError(f"expert {e!r}: the name {name!r} is used twice or reserved; give each expert its own name")
