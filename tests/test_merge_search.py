@@ -166,7 +166,7 @@ def test_sigkilled_study_resumes_without_redoing_trials(tmp_path):
     after = _complete(db)
     assert len(after) == 8
     assert set(before) <= set(after)  # same trial numbers, same start times: not re-run
-    study = optuna.load_study(study_name="t", storage=f"sqlite:///{db}")
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{db}")  # the one study: t-<inputs hash>
     states = [t.state for t in study.trials]
     assert optuna.trial.TrialState.RUNNING not in states
     assert len(study.trials) <= 8 + 1  # at most the one trial the kill interrupted was redone

@@ -268,5 +268,6 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
     from mergekit.options import MergeOptions
 
     cfg = MergeConfiguration.model_validate(config)
+    # no model card for a search's temporary merge: writing one looks its inputs up on the Hub
     run_merge(cfg, out_dir, options=MergeOptions(device="cpu", random_seed=seed, quiet=True,
-                                                     copy_tokenizer=copy_tokenizer))
+                                                 copy_tokenizer=copy_tokenizer, write_model_card=copy_tokenizer))

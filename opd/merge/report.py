@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from opd.io import atomic_dir, atomic_write_json, atomic_write_text, state_dict_hash
+from opd.merge.history import what_changed_md
 from opd.merge.interference import as_table
 from opd.merge.methods import get_strategy, mergekit_config
 
@@ -208,8 +209,10 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
     intro = (f"Recipe `{recipe.name}`: {len(summary['trials'])} finished trials ({n_full} scored on the full val "
              f"split), objectives {', '.join(summary['objectives'])}. Best (chosen on val): **{summary['best']}**. "
              "Retention = candidate score / the capability's expert score on the same split.")
+    changed = summary.get("what_changed")
+    changed_md = what_changed_md(changed) if changed else ""
     md = "\n\n".join([
-        f"# Merge report: {recipe.name}", intro, "## Final candidates", "\n".join(final_lines),
+        f"# Merge report: {recipe.name}", *(["## What changed", changed_md] if changed else []), intro, "## Final candidates", "\n".join(final_lines),
         "## Interference matrix (test)", _md_table(matrix["test"], "test"),
         "## Interference matrix (val)", _md_table(matrix["val"], "val"),
         *(["## On-policy distillation runs", _opd_md(summary)] if opd_trials(summary) else []),
@@ -224,7 +227,8 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>merge report: {html.escape(recipe.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display:inline-block;margin:1em}}</style>
-</head><body><h1>Merge report: {html.escape(recipe.name)}</h1><p>{html.escape(intro)}</p>
+</head><body><h1>Merge report: {html.escape(recipe.name)}</h1>{_md_html("What changed", changed_md)}
+<p>{html.escape(intro)}</p>
 <h2>Final candidates</h2><ul>{finals}</ul>
 <h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}{_opd_html(summary)}
 <h2>Plots</h2>{imgs}<h2>Inputs</h2><pre>{html.escape(_json(summary["inputs"]))}</pre></body></html>
@@ -234,13 +238,24 @@ td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display
 
 
 def _opd_html(summary: dict) -> str:
-    if not opd_trials(summary):
+    return _md_html("On-policy distillation runs", _opd_md(summary)) if opd_trials(summary) else ""
+
+
+def _md_html(title: str, md: str) -> str:
+    """A section of markdown paragraphs and pipe tables (as the report's md writers make) in HTML."""
+    if not md:
         return ""
-    lines = [ln for ln in _opd_md(summary).splitlines() if not ln.startswith("|---")]
-    cells = [[html.escape(c.strip()) for c in ln.strip("|").split("|")] for ln in lines]
-    head = "".join(f"<th>{c}</th>" for c in cells[0])
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[1:])
-    return f"<h2>On-policy distillation runs</h2><table><tr>{head}</tr>{body}</table>"
+    parts = [f"<h2>{html.escape(title)}</h2>"]
+    for block in md.split("\n\n"):
+        lines = [ln for ln in block.splitlines() if not ln.startswith("|---")]
+        if not lines[0].startswith("|"):
+            parts.append(f"<p>{html.escape(' '.join(lines)).replace('**', '')}</p>")
+            continue
+        cells = [[html.escape(c.strip()) for c in ln.strip("|").split("|")] for ln in lines]
+        head = "".join(f"<th>{c}</th>" for c in cells[0])
+        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[1:])
+        parts.append(f"<table><tr>{head}</tr>{body}</table>")
+    return "".join(parts)
 
 
 def _json(obj) -> str:

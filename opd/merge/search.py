@@ -8,6 +8,8 @@ the best merged model.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ import torch
 from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
 from opd.io import atomic_write_json, state_dict_hash
+from opd.merge import history
 from opd.merge.interference import interference_matrix, pareto_front, retention, to_records
 from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate, merge_part
 from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
@@ -147,25 +150,29 @@ def make_sampler(recipe: MergeRecipe, offset: int = 0) -> optuna.samplers.BaseSa
 SEARCH_FIELDS = ("base", "experts", "capabilities", "strategies", "objectives", "split")
 
 
-def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool) -> optuna.Study:
-    """Create the study, or continue it with --resume (or join it as a --worker)."""
+def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool, *, name: str | None = None,
+               warm: tuple[str, list[tuple[int, dict]]] | None = None) -> optuna.Study:
+    """Create the study `name` (default: the recipe's name), or continue it with --resume (or join it
+    as a --worker). A study created with `warm` = (earlier study, [(its trial number, params)]) runs
+    those params first and stops at `budget.warm_fraction` of the trials (`trial_budget`)."""
+    name = name or recipe.name
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
-    summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(recipe.name)
+    summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
     exists = summary is not None
     if exists and not (resume or worker):
-        raise OpdError(f"study {recipe.name!r} already exists in {recipe.storage_url}: pass --resume to continue it"
+        raise OpdError(f"study {name!r} already exists in {recipe.storage_url}: pass --resume to continue it"
                        f" or delete {recipe.out_dir} to start over")
     offset = summary.n_trials if exists else 0
-    study = optuna.create_study(study_name=recipe.name, storage=storage, sampler=make_sampler(recipe, offset),
+    study = optuna.create_study(study_name=name, storage=storage, sampler=make_sampler(recipe, offset),
                                 directions=["maximize"] * n_objectives, load_if_exists=True)
     mine = recipe.model_dump(mode="json")
     theirs = study.user_attrs.get("recipe")
     changed = [f for f in SEARCH_FIELDS if theirs and theirs.get(f) != mine[f]]
     if changed:
-        raise OpdError(f"study {recipe.name!r} in {recipe.storage_url} was made with other {changed}: "
+        raise OpdError(f"study {name!r} in {recipe.storage_url} was made with other {changed}: "
                        "restore them, or give the recipe another name or out directory")
     if exists and resume and not worker:
         # A killed single-worker run leaves its trial RUNNING forever; it is redone, not kept. An OPD
@@ -177,8 +184,23 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
             if cand and get_strategy(cand["strategy"]).distill:
                 study.enqueue_trial(t.params, user_attrs={"resume_of": t.user_attrs.get("resume_of", t.number),
                                                           "opd_init": t.user_attrs.get("opd_init")})
+    if warm and not exists and not theirs:
+        # Two workers creating the study at once may both get here: a duplicate costs one trial.
+        study.set_user_attr("warm_start", {"from": warm[0], "trials": [n for n, _ in warm[1]]})
+        for number, params in warm[1]:
+            study.enqueue_trial(params, user_attrs={"warm_start_of": number}, skip_if_exists=True)
     study.set_user_attr("recipe", mine)
     return study
+
+
+def trial_budget(recipe: MergeRecipe, study: optuna.Study) -> int | None:
+    """Finished trials the study stops at: n_trials, or its warm_fraction for a warm-started study."""
+    return warm_budget(recipe) if "warm_start" in study.user_attrs else recipe.budget.n_trials
+
+
+def warm_budget(recipe: MergeRecipe) -> int | None:
+    n = recipe.budget.n_trials
+    return None if n is None else max(1, math.ceil(n * recipe.budget.warm_fraction))
 
 
 def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -197,12 +219,13 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
     def objective(trial: optuna.Trial) -> list[float]:
         cand = suggest(trial, recipe, experts)
         trial.set_user_attr("candidate", cand.model_dump(mode="json"))
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # several may share a study
         if get_strategy(cand.strategy).distill and "resume_of" not in trial.user_attrs:
             init = opd_init(cand, trial.study)
             trial.set_user_attr("opd_init", init.model_dump(mode="json") if init else None)
         sd = merge(inputs, cand, recipe, trial, refs)
         stage, scores = "full", None
-        if two_stage:
+        if two_stage and "warm_start_of" not in trial.user_attrs:  # an earlier best goes straight to full val
             scores = scorer.score(sd, "val", screen.limit)
             ret = {c: retention(scores[c].score, refs.screen[c]) for c in caps}
             full = [t for t in finished(trial.study) if t.user_attrs.get("stage") == "full"]
@@ -218,16 +241,16 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
         return objective_values(recipe, ret)
 
     done = len(finished(study))
-    budget = recipe.budget
-    remaining = None if budget.n_trials is None else budget.n_trials - done
+    n_trials = trial_budget(recipe, study)
+    remaining = None if n_trials is None else n_trials - done
     if remaining is not None and remaining <= 0:
         return
     callbacks = []
-    if budget.n_trials is not None:
-        callbacks.append(optuna.study.MaxTrialsCallback(budget.n_trials, states=(optuna.trial.TrialState.COMPLETE,)))
-    with LiveBoard(study, budget.n_trials, done, enabled=live) as board:
+    if n_trials is not None:
+        callbacks.append(optuna.study.MaxTrialsCallback(n_trials, states=(optuna.trial.TrialState.COMPLETE,)))
+    with LiveBoard(study, n_trials, done, enabled=live) as board:
         callbacks.append(board.callback)
-        study.optimize(objective, n_trials=remaining, timeout=budget.timeout_s, callbacks=callbacks,
+        study.optimize(objective, n_trials=remaining, timeout=recipe.budget.timeout_s, callbacks=callbacks,
                        catch=(ValueError, RuntimeError))
 
 
@@ -308,7 +331,11 @@ def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, trials:
 
 def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = False, live: bool = True,
                log=print) -> dict:
-    """Run a merge recipe end to end; returns the summary also written to <out>/results.json."""
+    """Run a merge recipe end to end; returns the summary also written to <out>/results.json.
+
+    The study is named by the inputs' content hashes: after an expert changed, a rerun opens a new
+    study that starts from the earlier run's best settings, and the report opens with what changed.
+    """
     from opd.merge.report import save_best_model, write_report
 
     torch.set_num_threads(recipe.threads)
@@ -316,7 +343,18 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     inputs = load_inputs(recipe)
     for name in recipe.strategies:
         check_inputs(get_strategy(name), len(inputs.expert_paths))
-    study = open_study(recipe, len(objective_names(recipe, inputs.capabilities)), resume, worker)
+    hashes = {e: m.content_hash for e, m in inputs.manifests.items()}
+    name = history.study_name(recipe, inputs.base_hash, hashes)
+    recipe.out_dir.mkdir(parents=True, exist_ok=True)
+    prev = history.previous_results(recipe.out_dir, history.switch_study(recipe.out_dir, name, recipe.name))
+    warm = None
+    if prev is not None and recipe.budget.n_trials is not None:
+        params = history.warm_params(prev, recipe, list(inputs.expert_paths), warm_budget(recipe))
+        warm = (prev.get("study", prev["recipe"]["name"]), params) if params else None
+    study = open_study(recipe, len(objective_names(recipe, inputs.capabilities)), resume, worker,
+                       name=name, warm=warm)
+    if warm:
+        log(f"inputs changed since study {warm[0]}: new study {name}, starting from its {len(warm[1])} best settings")
     scorer = Scorer(inputs, recipe.eval_batch_size)
     log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
     refs = score_references(inputs, scorer, recipe.screening.limit)
@@ -331,18 +369,23 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     best_label, (best_trial, best_cand) = next(iter(cands.items()))
     summary = {
         "recipe": recipe.model_dump(mode="json"),
+        "study": name,
         "inputs": {"base": {"path": str(inputs.base_path), "content_hash": inputs.base_hash},
                    "experts": {e: {"path": str(p), "content_hash": inputs.manifests[e].content_hash,
+                                   "version": inputs.manifests[e].version,
                                    "capability": inputs.manifests[e].capability}
                                for e, p in inputs.expert_paths.items()}},
         "objectives": objective_names(recipe, inputs.capabilities),
-        "trials": [{"number": t.number, "values": t.values, **t.user_attrs} for t in finished(study)],
+        "trials": [{"number": t.number, "values": t.values, "params": t.params, **t.user_attrs}
+                   for t in finished(study)],
         "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}
                   for label, (t, c) in cands.items()},
         "best": best_label,
         "matrix": {s: to_records(cells) for s, cells in matrix.items()},
         "scorer_calls": scorer.calls,
     }
+    if prev is not None:
+        summary["what_changed"] = history.what_changed(prev, summary)
     best_dir = save_best_model(recipe, inputs, best_cand, merge(inputs, best_cand, recipe, best_trial), summary)
     summary["best_model"] = str(best_dir)
     write_report(recipe, summary, matrix)
