@@ -46,14 +46,22 @@ def main(argv=None):
     if not experts:
         return
     print("\n### Experts vs base vs SFT control (own capability, test split)\n")
-    print("| expert | base | GSPO expert | delta | minutes | SFT control (same minutes) |\n|---|---|---|---|---|---|")
+    print("| expert | base | GSPO expert | delta | minutes | SFT control (same minutes) "
+          "| other capabilities, mean: base / GSPO / SFT |\n|---|---|---|---|---|---|---|")
     for n, m in experts.items():
         c = m["capability"]
         e = m["metrics"]["test"][c]["score"]
+        def mean_others(scores, c=c):
+            return sum(scores[o] for o in caps if o != c) / (len(caps) - 1)
+
         ctrl_p = Path("runs/controls") / f"{n}.json"
-        ctrl = f"{json.loads(ctrl_p.read_text())['test'][c]:.3f}" if ctrl_p.exists() else "not run"
+        ctrl_scores = json.loads(ctrl_p.read_text())["test"] if ctrl_p.exists() else None
+        ctrl = f"{ctrl_scores[c]:.3f}" if ctrl_scores else "not run"
+        off = (f"{mean_others({o: base[o].score for o in caps}):.2f} / "
+               f"{mean_others({o: m['metrics']['test'][o]['score'] for o in caps}):.2f} / "
+               + (f"{mean_others(ctrl_scores):.2f}" if ctrl_scores else "-"))
         print(f"| {n} | {base[c].score:.3f} | {e:.3f} | {e - base[c].score:+.3f} | "
-              f"{m['train']['seconds'] / 60:.1f} | {ctrl} |")
+              f"{m['train']['seconds'] / 60:.1f} | {ctrl} | {off} |")
     print("\n### Every expert on every capability (test split; base in the first row)\n")
     print("| model | " + " | ".join(caps) + " |\n|---|" + "---|" * len(caps))
     print("| base | " + " | ".join(f"{base[c].score:.2f}" for c in caps) + " |")
