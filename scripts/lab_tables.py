@@ -21,6 +21,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="runs/base")
     ap.add_argument("--experts", default=None, help="comma-separated (default: every trained expert)")
+    ap.add_argument("--merge", nargs="*", default=[], help="merge run dirs (runs/merge/<name>) to summarise")
+    ap.add_argument("--distill", nargs="*", default=[], help="distillation outputs (runs/distill/<name>) to score")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,6 +45,10 @@ def main(argv=None):
     for c in caps:
         s = base[c]
         print(f"| {c} | {s.score:.3f} | {s.stderr:.3f} | {s.n} |")
+    for d in args.merge:
+        merge_table(Path(d))
+    for d in args.distill:
+        distill_table(Path(d))
     if not experts:
         return
     print("\n### Experts vs base vs SFT control (own capability, test split)\n")
@@ -69,6 +75,52 @@ def main(argv=None):
         row = [f"**{m['metrics']['test'][c]['score']:.2f}**" if c == m["capability"]
                else f"{m['metrics']['test'][c]['score']:.2f}" for c in caps]
         print(f"| {n} | " + " | ".join(row) + " |")
+
+
+
+def merge_table(run: Path) -> None:
+    """Per strategy, its best final candidate by minimum retention on the test split."""
+    res = json.loads((run / "results.json").read_text())
+    rows: dict[str, dict] = {}
+    for cell in res["matrix"]["test"]:
+        rows.setdefault(cell["candidate"], {})[cell["capability"]] = cell
+    caps = list(next(iter(rows.values())))
+    print(f"\n### Merge search `{run}` ({len(res['trials'])} trials, {res['seconds'] / 60:.1f} min): "
+          "best candidate per strategy, test split, retention vs each expert\n")
+    print("| strategy | candidate | " + " | ".join(caps) + " | min retention |\n|---|---|" + "---|" * (len(caps) + 1))
+    best: dict[str, tuple] = {}
+    for label, cells in rows.items():
+        if label.startswith(("expert ", "base")):
+            continue
+        strategy = label.split(" ", 1)[1]
+        worst = min(c["retention"] for c in cells.values())
+        if strategy not in best or worst > best[strategy][0]:
+            best[strategy] = (worst, label, cells)
+    for strategy, (worst, label, cells) in sorted(best.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {strategy} | {label} | " + " | ".join(f"{cells[c]['score']:.2f} ({cells[c]['retention']:.2f})"
+                                                       for c in caps) + f" | {worst:.2f} |")
+
+
+def distill_table(run: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.evaluation.api import evaluate
+    from opd.expert.manifest import load_manifest, resolve_expert
+
+    mf = json.loads((run / "manifest.json").read_text())
+    teachers = {n: load_manifest(resolve_expert(t["path"])) for n, t in mf["inputs"]["teachers"].items()}
+    caps = [t.capability for t in teachers.values()]
+    model = AutoModelForCausalLM.from_pretrained(run)
+    scores = evaluate(model, AutoTokenizer.from_pretrained(run), caps, "test", model_hash=mf["content_hash"])
+    print(f"\n### On-policy distillation `{run}` ({mf['train']['steps']} steps, {mf['train']['gen_tokens']} student "
+          f"tokens, {mf['train']['seconds'] / 60:.1f} min), test split\n")
+    print("| capability | expert | OPD student | retention |\n|---|---|---|---|")
+    rets = []
+    for t in teachers.values():
+        e, s = t.own_score("test"), scores[t.capability].score
+        rets.append(s / e)
+        print(f"| {t.capability} | {e:.3f} | {s:.3f} | {s / e:.2f} |")
+    print(f"\nminimum retention {min(rets):.2f}")
 
 
 if __name__ == "__main__":
