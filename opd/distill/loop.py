@@ -39,6 +39,10 @@ class DistillState:
     elapsed: float = 0.0
     gen_tokens: int = 0  # student tokens sampled so far (the cost the bench compares)
     history: list[dict] = field(default_factory=list)
+    # The best student by minimum val retention (retention can peak and fall within a run).
+    best_min_retention: float = -1.0
+    best_step: int = 0
+    best_model: dict | None = None
 
 
 def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher]) -> dict:
@@ -177,6 +181,9 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
             rec.update(retention_record(evaluate_fn(student), references or {}))
             student.train()
+            if rec.get("min_retention", -1.0) > state.best_min_retention:
+                state.best_min_retention, state.best_step = rec["min_retention"], state.step
+                state.best_model = {k: v.detach().clone() for k, v in student.state_dict().items()}
         state.elapsed = time.time() - t0
         state.history.append(rec)
         kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))

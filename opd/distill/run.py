@@ -100,12 +100,17 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
 
     state: DistillState = distill(run.distill, student, tok, teachers, routes, ckpt,
                                   evaluate_fn=screen if evaluate else None, references=refs, log=log)
+    if state.best_model is not None and state.best_step != state.step:
+        log(f"keeping step {state.best_step} (min val retention {state.best_min_retention:.3f})")
+        student.load_state_dict(state.best_model)
     manifest = {
         "kind": "distilled", "name": run.name, "content_hash": state_dict_hash(student),
         "run": run.model_dump(mode="json"), "routes": routes, "student_init_hash": init_hash,
         "inputs": {"base": run.base, "teachers": {n: {"path": m["path"], "content_hash": m["content_hash"],
                                                       "capability": m["capability"]} for n, m in manifests.items()}},
-        "train": {"steps": state.step, "seconds": state.elapsed, "gen_tokens": state.gen_tokens},
+        "train": {"steps": state.step, "seconds": state.elapsed, "gen_tokens": state.gen_tokens,
+                  "kept_step": state.best_step if state.best_model is not None else state.step,
+                  "kept_min_val_retention": state.best_min_retention},
         "references": refs, "final": state.history[-1] if state.history else {},
     }
     with atomic_dir(out) as tmp:
