@@ -105,3 +105,15 @@ def test_deepspeed_zero2_cpu(trained_pico_dir, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts/train_expert.py"), str(spec), "--out",
                         str(tmp_path / "ds")], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_spec_recorded_before_a_field_was_added_is_the_same_spec():
+    """A manifest written before a new spec field existed must not force a retrain."""
+    from opd.expert.spec import same_spec
+
+    spec = ExpertSpec(capability="count")
+    stored = spec.model_dump(mode="json")
+    del stored["reward_timeout_s"]  # as written by an older opd
+    assert same_spec(stored, spec)
+    assert not same_spec({**stored, "seed": 1}, spec)
+    assert not same_spec({"capability": "nope"}, spec)

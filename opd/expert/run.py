@@ -14,7 +14,7 @@ from rich.table import Table
 
 from opd.evaluation.api import evaluate
 from opd.expert.build import base_capabilities, default_out, load_base, write_expert
-from opd.expert.spec import ExpertSpec
+from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.trainer import train
 from opd.io import state_dict_hash, sweep_stale
 
@@ -89,5 +89,5 @@ def _already_written(spec: ExpertSpec, out: Path, base_hash: str) -> dict | None
     if not mf.exists():
         return None
     m = json.loads(mf.read_text())
-    same = m.get("spec") == spec.model_dump(mode="json") and m["base"]["content_hash"] == base_hash
+    same = same_spec(m.get("spec"), spec) and m["base"]["content_hash"] == base_hash
     return m if same else None

@@ -68,6 +68,15 @@ class ExpertSpec(BaseModel):
         return self.name or self.capability.replace(":", "_")
 
 
+def same_spec(stored: dict | None, spec: ExpertSpec) -> bool:
+    """Whether a spec recorded in a manifest or checkpoint is `spec`. The stored one is validated
+    through today's model first, so a field added since (with its default) changes nothing."""
+    try:
+        return stored is not None and ExpertSpec.model_validate(stored) == spec
+    except Exception:
+        return False
+
+
 def load_expert_spec(path: str | Path, **overrides) -> ExpertSpec:
     """An expert spec YAML with dotted overrides (`gspo.lr="1e-3"`) as a validated ExpertSpec."""
     return load_yaml_model(path, ExpertSpec, "expert spec", overrides)

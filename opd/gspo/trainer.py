@@ -18,7 +18,7 @@ import torch
 
 from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
-from opd.expert.spec import ExpertSpec
+from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.batch import completion_logits, completion_targets, pad_sequences, token_entropy, token_logprobs
 from opd.gspo.loss import group_advantages, gspo_loss
 from opd.io import atomic_torch_save
@@ -132,7 +132,7 @@ def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec) -> 
     if not path.exists():
         return None
     ck = torch.load(path, weights_only=True)
-    if ck["spec"] != spec.model_dump(mode="json"):
+    if not same_spec(ck["spec"], spec):
         return None
     model.load_state_dict(ck["model"])
     rng.setstate(ck["rng"])

@@ -66,6 +66,14 @@ class BaseSpec(BaseModel):
         return self.model_dump(mode="json", exclude={"scored"})
 
 
+def same_training(stored: dict | None, spec: BaseSpec) -> bool:
+    """Whether recorded training fields are `spec`'s; a field added since takes its default."""
+    try:
+        return stored is not None and BaseSpec.model_validate(stored).training_fields() == spec.training_fields()
+    except Exception:
+        return False
+
+
 def load_base_spec(path: str | Path = DEFAULT_SPEC, **overrides) -> BaseSpec:
     return load_yaml_model(path, BaseSpec, "base spec", overrides)
 
@@ -93,7 +101,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     state = {"step": 0, "best": None, "history": [], "elapsed": 0.0}
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=True)
-        if ck["spec"] != spec.training_fields():
+        if not same_training(ck["spec"], spec):
             raise OpdError(f"{ckpt_path}: checkpoint was made by another spec; delete it to start over")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optim"])

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from opd.io import atomic_write_json
-from opd.lab.base import DEFAULT_SPEC, build_base, load_base_spec
+from opd.lab.base import DEFAULT_SPEC, build_base, load_base_spec, same_training
 
 console = Console(stderr=True)
 # What "mediocre" means for the lab (room for RL experts); the spec's `band` is the stricter
@@ -24,7 +24,7 @@ def build_and_report(spec_path=None, out="runs/base", force=False, overrides=Non
     out = Path(out)
     mf = out / "manifest.json"
     manifest = json.loads(mf.read_text()) if mf.exists() else None
-    if manifest and manifest.get("spec") == spec.training_fields() and not force:
+    if manifest and same_training(manifest.get("spec"), spec) and not force:
         console.print(f"base {out} is up to date (spec unchanged); reusing it")
         if manifest.get("capabilities") != spec.lab_capabilities:  # a reporting field, not the weights
             manifest["capabilities"] = spec.lab_capabilities
