@@ -198,6 +198,15 @@ def _html_table(cells, split: str) -> str:
             f"<tr><th>candidate</th>{head}</tr>{''.join(rows)}</table>")
 
 
+def _inline_md(text: str) -> str:
+    """Escape, then render the two inline Markdown marks the intro uses (**bold**, `code`)."""
+    import re
+
+    out = html.escape(text)
+    out = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", out)
+
+
 def write_report(recipe, summary: dict, matrix: dict) -> Path:
     """Write report.md, report.html (plots inlined as base64) and the PNGs into the run directory."""
     out = Path(recipe.out_dir)
@@ -228,7 +237,7 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display:inline-block;margin:1em}}</style>
 </head><body><h1>Merge report: {html.escape(recipe.name)}</h1>{_md_html("What changed", changed_md)}
-<p>{html.escape(intro)}</p>
+<p>{_inline_md(intro)}</p>
 <h2>Final candidates</h2><ul>{finals}</ul>
 <h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}{_opd_html(summary)}
 <h2>Plots</h2>{imgs}<h2>Inputs</h2><pre>{html.escape(_json(summary["inputs"]))}</pre></body></html>
