@@ -28,6 +28,11 @@ def apply_overrides(raw: dict, overrides: list[str] | dict) -> dict:
     return raw
 
 
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """Command-line `key=value` words as {dotted key: YAML text}; a word without '=' is an error."""
+    return dict(_split(i) for i in items)
+
+
 def _split(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key:

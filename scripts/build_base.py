@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from opd.errors import OpdError, cli_main
+from opd.config import parse_overrides
+from opd.errors import cli_main
 
 
 @cli_main
@@ -22,12 +23,7 @@ def main(argv=None):
 
     from opd.lab.run import build_and_report
 
-    overrides = {}
-    for kv in args.overrides:
-        if "=" not in kv:
-            raise OpdError(f"override {kv!r}: expected key=value, e.g. steps=200")
-        k, v = kv.split("=", 1)
-        overrides[k] = v
+    overrides = parse_overrides(args.overrides)
     build_and_report(args.spec, args.out, force=args.force, overrides=overrides)
 
 

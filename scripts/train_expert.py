@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from opd.errors import OpdError, cli_main
+from opd.config import parse_overrides
+from opd.errors import cli_main
 
 
 @cli_main
@@ -27,12 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     from opd.expert.run import run_expert
     from opd.expert.spec import load_expert_spec
 
-    overrides = {}
-    for kv in args.overrides:
-        if "=" not in kv:
-            raise OpdError(f"override {kv!r}: expected key=value, e.g. steps=50")
-        k, v = kv.split("=", 1)
-        overrides[k] = v
+    overrides = parse_overrides(args.overrides)
     spec = load_expert_spec(args.spec, **overrides)
     run_expert(spec, out=Path(args.out) if args.out else None, fresh=args.fresh)
 
