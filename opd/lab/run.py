@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -44,7 +43,6 @@ def report_base(out: Path, capabilities: list[str], band) -> dict:
 
     from opd.evaluation.api import evaluate
 
-    torch.set_num_threads(torch.get_num_threads())
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     scores = evaluate(model, tok, capabilities, "test")
