@@ -35,25 +35,10 @@ def build_pico_base(out: Path) -> Path:
     """A hidden-32, 2-layer Qwen3 trained on `count` for 120 steps: a base that scores above 0."""
     import torch
 
-    from opd.lab.data import MixtureStream, encode_sft
-    from opd.lab.model import ModelShape, build_model
-    from opd.lab.tokenizer import build_char_tokenizer
+    from opd.lab.pico import build_trained_pico
 
     torch.set_num_threads(1)
-    tok = build_char_tokenizer()
-    shape = ModelShape(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                       intermediate_size=64, max_position_embeddings=64)
-    model = build_model(shape, tok, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    stream = MixtureStream({"count": 1.0}, seed=0)
-    for _ in range(120):
-        loss = model(**encode_sft(tok, stream.next_batch(32))).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return build_trained_pico(out)
 
 
 def write_spec(path: Path, base: Path, steps: int) -> Path:

@@ -9,10 +9,8 @@ import torch
 
 from opd.io import state_dict_hash
 from opd.lab.model import ModelShape, build_model
+from opd.lab.pico import PICO
 from opd.lab.tokenizer import build_char_tokenizer
-
-PICO = ModelShape(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  intermediate_size=64, max_position_embeddings=64)
 
 
 def build_fake_lab(root: Path, capabilities=("add", "rev"), shape: ModelShape = PICO, scale: float = 0.02) -> dict:
