@@ -11,7 +11,7 @@ import torch
 from opd.capabilities import get_capability
 from opd.errors import OpdError
 from opd.evaluation.api import evaluate
-from opd.expert.manifest import EXPERTS_DIR, code_version
+from opd.expert.manifest import EXPERTS_DIR, ExpertManifest, code_version
 from opd.expert.spec import ExpertSpec
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
 
@@ -74,6 +74,7 @@ def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash:
     }
     version_previous(out)
     manifest["version"] = _next_version(out)
+    ExpertManifest.model_validate(manifest)  # what the merge engine will read back: fail here, not there
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
