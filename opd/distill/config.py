@@ -27,6 +27,9 @@ class DistillConfig(BaseModel):
                                  "in the GSPO-token loss; 'full': exact full-vocabulary reverse KL per token")
     steps: int = Field(50, gt=0, description="rollout batches (one optimizer pass each)")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="'cosine': decay from lr to lr * lr_min_ratio over `steps` (the last step at the floor)")
+    lr_min_ratio: float = Field(0.1, ge=0, le=1, description="final lr / lr under the cosine schedule")
     prompts_per_step: int = Field(16, gt=0, description="prompts drawn per step, over all routed capabilities")
     group_size: int = Field(4, gt=0, description="student samples per prompt (the verifier reward is "
                             "group-normalised, so mixing it in needs >= 2)")

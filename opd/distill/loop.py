@@ -31,6 +31,7 @@ from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
 from opd.gspo.loss import group_advantages, gspo_loss, k3_kl, masked_mean
 from opd.io import atomic_torch_save
 from opd.rollout import get_engine
+from opd.schedule import lr_at
 
 
 @dataclass
@@ -107,12 +108,18 @@ def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
 
 
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
-# (e.g. more steps to extend it).
+# (e.g. more steps to extend it; not under a cosine schedule, whose every lr depends on `steps`).
 RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit"}
 
 
 def _identity(cfg: DistillConfig) -> dict:
-    return cfg.model_dump(mode="json", exclude=RESUMABLE_FIELDS)
+    exclude = RESUMABLE_FIELDS - ({"steps"} if cfg.lr_schedule != "constant" else set())
+    return cfg.model_dump(mode="json", exclude=exclude)
+
+
+def step_lr(cfg: DistillConfig, step: int) -> float:
+    """The learning rate of step `step` (0-based) under the config's schedule."""
+    return cfg.lr if cfg.lr_schedule == "constant" else lr_at(step, cfg.steps - 1, cfg.lr, 0, cfg.lr_min_ratio)
 
 
 def save_checkpoint(path: Path, student, opt, state: DistillState, rng: random.Random, cfg: DistillConfig) -> None:
@@ -170,7 +177,9 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                      seed=cfg.seed * 100_003 + state.step)
         batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk)
-        rec = {"step": state.step + 1, **opd_step(student, opt, batch, cfg, teachers)}
+        for g in opt.param_groups:
+            g["lr"] = step_lr(cfg, state.step)
+        rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"], **opd_step(student, opt, batch, cfg, teachers)}
         for cap in dict.fromkeys(batch.row_caps):
             rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
             rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())

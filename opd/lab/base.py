@@ -20,8 +20,8 @@ from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_torch_save, atomic_write_json, state_dict_hash
 from opd.lab.data import MixtureStream, encode_sft
 from opd.lab.model import ModelShape, build_model
-from opd.lab.schedule import lr_at
 from opd.lab.tokenizer import build_char_tokenizer
+from opd.schedule import lr_at
 
 DEFAULT_SPEC = Path(__file__).with_name("base.yaml")
 
