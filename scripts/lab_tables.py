@@ -85,7 +85,7 @@ def merge_table(run: Path) -> None:
     for cell in res["matrix"]["test"]:
         rows.setdefault(cell["candidate"], {})[cell["capability"]] = cell
     caps = list(next(iter(rows.values())))
-    print(f"\n### Merge search `{run}` ({len(res['trials'])} trials, {res['seconds'] / 60:.1f} min): "
+    print(f"\n### Merge search `{run}` ({len(res['trials'])} trials, {res.get('total_seconds', res['seconds']) / 60:.1f} min): "
           "best candidate per strategy, test split, retention vs each expert\n")
     print("| strategy | candidate | " + " | ".join(caps) + " | min retention |\n|---|---|" + "---|" * (len(caps) + 1))
     best: dict[str, tuple] = {}

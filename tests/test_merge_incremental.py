@@ -111,6 +111,9 @@ def test_rerun_after_one_expert_changed(tmp_path, monkeypatch, scored):
     again = run_recipe(load_recipe(path), resume=True, live=False, log=lambda *a: None)
     assert again["study"] == second["study"] and again["what_changed"] == wc
     assert scored == []
+    # the same study's time adds up over invocations; a new study (new inputs) starts from zero
+    assert second["total_seconds"] == second["seconds"]
+    assert again["total_seconds"] == pytest.approx(second["seconds"] + again["seconds"])
 
 
 def test_warm_params_keep_only_what_the_recipe_still_searches(tmp_path):

@@ -7,6 +7,7 @@ the best merged model.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -329,6 +330,15 @@ def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, trials:
                    "test": interference_matrix(test, refs.test, base["test"], "test")}
 
 
+def _earlier_seconds(results: Path, study: str) -> float:
+    """Seconds the earlier invocations of `study` took (0 when results.json is another study's)."""
+    try:
+        prev = json.loads(results.read_text())
+    except (OSError, ValueError):
+        return 0.0
+    return float(prev.get("total_seconds", prev.get("seconds", 0.0))) if prev.get("study") == study else 0.0
+
+
 def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = False, live: bool = True,
                log=print) -> dict:
     """Run a merge recipe end to end; returns the summary also written to <out>/results.json.
@@ -390,6 +400,9 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     summary["best_model"] = str(best_dir)
     write_report(recipe, summary, matrix)
     summary["seconds"] = time.time() - t0
+    # A resumed or re-run study adds this invocation's time to the earlier ones' (the report of a
+    # study that was killed halfway and resumed shows what the whole search cost).
+    summary["total_seconds"] = summary["seconds"] + _earlier_seconds(recipe.out_dir / "results.json", name)
     atomic_write_json(recipe.out_dir / "results.json", summary)
     log(f"best: {best_label} -> {best_dir}; report: {Path(recipe.out_dir) / 'report.html'}")
     return summary
