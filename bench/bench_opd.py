@@ -7,9 +7,13 @@ with per-sequence advantages, which is GSPO). Each run stops once its mean val s
 capabilities reaches the target; the cost counted is student tokens sampled.
 
     python bench/bench_opd.py --experts add,rev,count,sort [--base runs/base] [--target 0.8]
+    python bench/bench_opd.py --experts sort,rev,shift,dedup --match-gspo --max-steps 300
     python bench/bench_opd.py --fake        # pico fake experts: checks the wiring in seconds
 
-The target defaults to --target-frac (0.9) of the mean of the experts' own val scores.
+The target defaults to --target-frac (0.9) of the mean of the experts' own val scores. With
+--match-gspo, GSPO runs its full --max-steps first and the target is the best mean val it reached;
+its cost is the tokens at the evaluation where it first reached that score, and OPD then runs until
+it reaches the same score. Both runs are evaluated on the same grid (--eval-every steps).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ def run_to_target(cfg, base_dir: str, teachers, routes, caps, target: float, eva
 
     student = AutoModelForCausalLM.from_pretrained(base_dir, dtype="float32")
     tok = AutoTokenizer.from_pretrained(base_dir)
-    best = {"score": -1.0}
+    best = {"score": -1.0, "tokens": 0}
+    curve = []  # (student tokens, mean val) at every evaluation
 
     def screen(m):
         return {c: s.score for c, s in evaluate(m, tok, caps, "val", limit=eval_limit).items()}
@@ -44,14 +49,20 @@ def run_to_target(cfg, base_dir: str, teachers, routes, caps, target: float, eva
     def stop(rec) -> bool:
         vals = [v for k, v in rec.items() if k.startswith("val/")]
         if vals:
-            best["score"] = max(best["score"], sum(vals) / len(vals))
-            print(f"  {label}: step {rec['step']} tokens {rec['gen_tokens']} mean val {sum(vals) / len(vals):.3f}",
-                  flush=True)
-        return best["score"] >= target
+            mean = sum(vals) / len(vals)
+            curve.append((rec["gen_tokens"], mean))
+            if mean > best["score"]:
+                best.update(score=mean, tokens=rec["gen_tokens"])
+            print(f"  {label}: step {rec['step']} tokens {rec['gen_tokens']} mean val {mean:.3f}", flush=True)
+        return target is not None and best["score"] >= target
 
     t0 = time.time()
     state = distill(cfg, student, tok, teachers, routes, evaluate_fn=screen, log=lambda *_: None, stop=stop)
-    return state.gen_tokens, best["score"], best["score"] >= target, time.time() - t0
+    reached = target is not None and best["score"] >= target
+    # cost: tokens at the first evaluation that reached the target (or, without one, the best score)
+    tokens = state.gen_tokens if target is not None else best["tokens"]
+    return {"tokens": tokens, "best_mean_val": best["score"], "reached": reached or target is None,
+            "seconds": time.time() - t0, "steps": state.step, "curve": curve}
 
 
 def main() -> None:
@@ -62,6 +73,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, help="mean val score both runs must reach")
     ap.add_argument("--target-frac", type=float, default=0.9, help="default target: this share of the "
                     "experts' mean own val score")
+    ap.add_argument("--match-gspo", action="store_true", help="target: the best mean val GSPO reaches "
+                    "in --max-steps (GSPO runs first, to the end)")
     ap.add_argument("--max-steps", type=int, default=2000, help="give up after this many steps (per run)")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--eval-limit", type=int, default=50)
@@ -98,12 +111,18 @@ def main() -> None:
           f"target mean val {target:.3f}", flush=True)
 
     results = {}
-    for label, cfg in (("OPD", DistillConfig(**common)),
-                       ("GSPO", DistillConfig(**common, kl_weight=0.0, reward_weight=1.0))):
-        tokens, score, reached, secs = run_to_target(cfg, base, teachers, routes, caps, target, args.eval_limit, label)
-        results[label] = {"tokens": tokens, "best_mean_val": score, "reached": reached, "seconds": secs}
-        print(f"{label}: {tokens} student tokens, best mean val {score:.3f}, "
-              f"{'reached' if reached else 'did NOT reach'} the target, {secs:.0f} s", flush=True)
+    runs = (("OPD", DistillConfig(**common)), ("GSPO", DistillConfig(**common, kl_weight=0.0, reward_weight=1.0)))
+    for label, cfg in (runs[::-1] if args.match_gspo else runs):
+        r = run_to_target(cfg, base, teachers, routes, caps, None if label == "GSPO" and args.match_gspo else target,
+                          args.eval_limit, label)
+        results[label] = r
+        if label == "GSPO" and args.match_gspo:
+            target = r["best_mean_val"]
+            print(f"GSPO: best mean val {target:.3f}, first reached at {r['tokens']} student tokens; "
+                  f"target for OPD {target:.3f}", flush=True)
+        else:
+            print(f"{label}: {r['tokens']} student tokens, best mean val {r['best_mean_val']:.3f}, "
+                  f"{'reached' if r['reached'] else 'did NOT reach'} the target, {r['seconds']:.0f} s", flush=True)
     opd, gspo = results["OPD"], results["GSPO"]
     ratio = gspo["tokens"] / max(1, opd["tokens"])
     # a run that missed the target only bounds the ratio
