@@ -196,6 +196,33 @@ def test_bench_fast_path_runs(tmp_path, match):
         assert res["target"] == res["GSPO"]["best_mean_val"] == max(v for _, v in res["GSPO"]["curve"])
 
 
+def test_rerun_of_a_finished_run_does_nothing(tmp_path):
+    """A run killed after writing its student and removing its checkpoint (the process was still
+    shutting down) leaves what a finished run leaves: its rerun must not train it all over again."""
+    from opd.distill.config import DistillRun
+    from opd.distill.run import run_distill
+
+    lab = build_fake_lab(tmp_path / "lab", ("count",))
+    run = DistillRun(name="d", base=str(lab["base"]), teachers=[str(lab["experts"]["count"])],
+                     out=str(tmp_path / "out"), distill={"steps": 2, "prompts_per_step": 2, "group_size": 2})
+    first = run_distill(run, log=lambda *_: None, evaluate=False)
+    weights = tmp_path / "out" / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    stale = tmp_path / ".out.ckpt"  # as if killed while removing it
+    stale.mkdir()
+    logs = []
+    assert run_distill(run, log=logs.append, evaluate=False) == first
+    assert any("nothing to do" in m for m in logs) and not any("opd step" in m for m in logs)
+    assert weights.stat().st_mtime_ns == written and not stale.exists()
+    # another run into the same directory (more steps, scored, or --fresh) trains
+    longer = run.model_copy(update={"distill": run.distill.model_copy(update={"steps": 3})})
+    for again, kwargs in ((run, {"evaluate": True}), (longer, {"evaluate": False}),
+                          (run, {"evaluate": False, "fresh": True})):
+        logs = []
+        run_distill(again, log=logs.append, **kwargs)
+        assert any("opd step 1/" in m for m in logs), kwargs
+
+
 def test_run_config_refusals_and_server_teachers(tmp_path, tokenizer):
     from opd.distill.config import load_run
     from opd.distill.run import load_teachers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -92,6 +93,13 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     caps = list(routes)
     refs = teacher_references(routes, manifests)
     ckpt = out.parent / f".{out.name}.ckpt" / "state.pt"
+    done = _already_written(out, run, init_hash, manifests, evaluate)
+    if done is not None and not fresh:
+        # Same run, same inputs: nothing to do (also the case of a run killed after writing its student
+        # and removing its checkpoint, which would otherwise train it all again from step 0).
+        log(f"{out} already holds this run's student; nothing to do (--fresh trains it again)")
+        shutil.rmtree(ckpt.parent, ignore_errors=True)
+        return done
     if fresh and ckpt.parent.exists():
         shutil.rmtree(ckpt.parent)
 
@@ -121,3 +129,18 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     shutil.rmtree(ckpt.parent, ignore_errors=True)
     log(f"wrote {out} ({state.step} steps, {state.gen_tokens} student tokens, {state.elapsed / 60:.1f} min)")
     return manifest
+
+
+def _already_written(out: Path, run: DistillRun, init_hash: str, manifests: dict[str, dict], evaluate: bool
+                     ) -> dict | None:
+    """The manifest in `out` when this run wrote it: same settings, student init and teachers, and
+    scored on val (its final record has a retention) exactly when this run scores."""
+    mf = out / "manifest.json"
+    if not mf.exists():
+        return None
+    m = json.loads(mf.read_text())
+    teachers = {n: t.get("content_hash") for n, t in m.get("inputs", {}).get("teachers", {}).items()}
+    same = (m.get("run") == run.model_dump(mode="json") and m.get("student_init_hash") == init_hash
+            and teachers == {n: t["content_hash"] for n, t in manifests.items()}
+            and ("min_retention" in m.get("final", {})) == evaluate)
+    return m if same else None
