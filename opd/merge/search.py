@@ -101,15 +101,34 @@ def open_strategies(trial: optuna.Trial, recipe: MergeRecipe) -> list[str]:
     return [n for n in names if used.get(n, 0) < caps.get(n, math.inf)]
 
 
+def merges_ready(study: optuna.Study, recipe: MergeRecipe) -> bool:
+    """Whether a strategy that starts from the best merge so far (merge_opd) may run: once a
+    weight-space candidate was scored on full val and half of budget.n_trials have finished, so its
+    student starts from a searched merge rather than the first one (or the base)."""
+    done = finished(study)
+    merged = any(t.user_attrs.get("stage") == "full" and not get_strategy(t.user_attrs["candidate"]["strategy"]).distill
+                 for t in done if "candidate" in t.user_attrs)
+    return merged and len(done) >= (recipe.budget.n_trials or 0) // 2
+
+
+def available_strategies(trial: optuna.Trial, recipe: MergeRecipe) -> list[str]:
+    """`open_strategies`, less those that wait for merges (unless nothing else is left)."""
+    names = open_strategies(trial, recipe)
+    if merges_ready(trial.study, recipe):
+        return names
+    ready = [n for n in names if get_strategy(n).init != "best"]
+    return ready or names
+
+
 def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Candidate:
     """Sample one candidate; every parameter is named `<strategy>.<param>[.<expert>]`."""
-    names = open_strategies(trial, recipe)
+    names = available_strategies(trial, recipe)
     if not names:
         trial.study.stop()
         raise optuna.TrialPruned("every strategy has used its budget.per_strategy trials")
     # Optuna refuses a categorical whose choices change under one name: once a strategy's cap is
     # reached, the remaining choice set gets a name of its own.
-    key = "strategy" if len(names) == len(recipe.strategies) else f"strategy[{'|'.join(names)}]"
+    key = "strategy" if names == list(recipe.strategies) else f"strategy[{'|'.join(names)}]"
     name = trial.suggest_categorical(key, names) if len(names) > 1 else names[0]
     strategy = get_strategy(name)
 
