@@ -1,6 +1,7 @@
 """`python -m opd.distill RUN.yaml [key=value ...] [--fresh] [--no-eval]`: one on-policy distillation run.
 
-Kill it at any point: the same command resumes from the last checkpoint.
+Kill it at any point: the same command resumes from the last checkpoint. A run with `deepspeed:`
+runs on N ranks under `deepspeed --num_gpus N --no_local_rank --module opd.distill RUN.yaml [...]`.
 """
 
 from __future__ import annotations

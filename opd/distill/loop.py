@@ -4,10 +4,13 @@ moves towards them by per-token reverse KL.
 One step = one rollout batch over all routed capabilities, then `updates_per_batch` minibatch
 updates. Resumable like GSPO: model, optimizer, RNG states and history are checkpointed every
 `checkpoint_every` steps; rerunning with the same config continues from the last checkpoint.
+Under DeepSpeed (`wrap`, see opd.gspo.ds) every rank runs this loop on its own prompts.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 import random
 import time
 from collections.abc import Callable
@@ -28,6 +31,15 @@ from opd.distill.losses import (
 )
 from opd.distill.routing import Routes, prompt_mix
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
+from opd.gspo.ds import (
+    common_step,
+    init_distributed,
+    load_optimizer_state,
+    rank0_value,
+    rank_path,
+    ranks_sum,
+    zero_checkpoint_globals,
+)
 from opd.gspo.loss import group_advantages, gspo_loss, k3_kl, masked_mean
 from opd.io import atomic_torch_save
 from opd.rollout import get_engine
@@ -38,7 +50,7 @@ from opd.schedule import lr_at
 class DistillState:
     step: int = 0
     elapsed: float = 0.0
-    gen_tokens: int = 0  # student tokens sampled so far (the cost the bench compares)
+    gen_tokens: int = 0  # student tokens sampled so far, over all ranks (the cost the bench compares)
     history: list[dict] = field(default_factory=list)
     # The best student by minimum val retention (retention can peak and fall within a run).
     best_min_retention: float = -1.0
@@ -46,8 +58,24 @@ class DistillState:
     best_model: dict | None = None
 
 
-def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher]) -> dict:
-    """Minibatch updates on one batch; returns loss, clip and per-teacher KL statistics."""
+class StudentHidden(torch.nn.Module):
+    """The student's forward as the loss reads it: completion hidden states, no logits. Under
+    DeepSpeed the engine wraps this module, so the loss comes from the engine's forward."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, attn, plen, Tc: int) -> torch.Tensor:
+        return completion_hidden(self.lm, ids, attn, plen, Tc)  # (B, Tc, H)
+
+
+def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher], backward=None) -> dict:
+    """Minibatch updates on one batch; returns loss, clip and per-teacher KL statistics.
+
+    policy: a `StudentHidden`, or the DeepSpeed engine wrapping one with its `backward(loss) -> grad
+    norm` (which also clips and steps).
+    """
     cmask, real = batch.cmask, batch.cmask.bool()
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
     tok_index[real] = torch.arange(int(real.sum()), device=real.device)
@@ -60,10 +88,11 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
     else:
         t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
+    # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
     for rows in torch.randperm(len(cmask)).to(cmask.device).chunk(cfg.updates_per_batch):
         m, r = cmask[rows], real[rows]
-        h = completion_hidden(student, batch.ids[rows], batch.attn[rows], batch.plen[rows], cmask.shape[1])[r]  # (n, H)
-        W = lm_head_weight(student)  # (V, H)
+        h = policy(batch.ids[rows], batch.attn[rows], batch.plen[rows], cmask.shape[1])[r]  # (n, H)
+        W = lm_head_weight(policy.lm)  # (V, H)
         new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
         if cfg.estimator == "sampled":
             loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
@@ -74,10 +103,13 @@ def opd_step(student, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[s
             if cfg.reward_weight > 0:
                 pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows], m, cfg.eps_low, cfg.eps_high)
                 loss = loss + cfg.reward_weight * pg
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip)
-        opt.step()
+        if backward is None:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            opt.step()
+        else:
+            gn = backward(loss)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
             stats.setdefault(k, []).append(v)
     out = {k: sum(v) / len(v) for k, v in stats.items()}
@@ -122,24 +154,51 @@ def step_lr(cfg: DistillConfig, step: int) -> float:
     return cfg.lr if cfg.lr_schedule == "constant" else lr_at(step, cfg.steps - 1, cfg.lr, 0, cfg.lr_min_ratio)
 
 
-def save_checkpoint(path: Path, student, opt, state: DistillState, rng: random.Random, cfg: DistillConfig) -> None:
-    atomic_torch_save({"config": _identity(cfg), "model": student.state_dict(),
+PLAIN = {"deepspeed": False, "world_size": 1}
+
+
+def save_checkpoint(path: Path, student, opt, state: DistillState, rng: random.Random, cfg: DistillConfig,
+                    ranks: dict = PLAIN) -> None:
+    """`ranks` ({deepspeed, world_size}) is part of the identity: a ZeRO optimizer's state is this
+    rank's partition. With several ranks the previous checkpoint stays (`.prev`): ranks killed
+    between their saves are then still one common step apart."""
+    if ranks["world_size"] > 1 and path.exists():
+        os.replace(path, _prev(path))
+    atomic_torch_save({"config": _identity(cfg), "ranks": ranks, "model": student.state_dict(),
                        "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
                        "torch_rng": torch.get_rng_state()}, path)
 
 
-def load_checkpoint(path: Path, student, opt, rng: random.Random, cfg: DistillConfig) -> DistillState | None:
-    """The saved state when `path` holds a checkpoint of this config (up to RESUMABLE_FIELDS), else None."""
-    if not path.exists():
-        return None
-    ck = torch.load(path, weights_only=True)
-    if ck["config"] != _identity(cfg):
-        return None
+def _prev(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def resume_checkpoint(path: Path, cfg: DistillConfig, ranks: dict = PLAIN) -> dict | None:
+    """This rank's checkpoint to resume from (of this config, up to RESUMABLE_FIELDS), or None.
+    With several ranks: the latest step that every rank holds (collective: every rank calls it)."""
+    found = {}
+    for p in (path, _prev(path)) if ranks["world_size"] > 1 else (path,):
+        if p.exists():
+            try:
+                with torch.serialization.safe_globals(zero_checkpoint_globals() if ranks["deepspeed"] else []):
+                    ck = torch.load(p, weights_only=True)
+            except pickle.UnpicklingError:  # a DeepSpeed run's checkpoint, read by a plain run
+                continue
+            if ck["config"] == _identity(cfg) and ck.get("ranks", PLAIN) == ranks:
+                found[ck["state"]["step"]] = ck
+    if ranks["world_size"] == 1:
+        return found.get(max(found, default=None))
+    step = common_step(list(found))
+    return found[step] if step is not None else None
+
+
+def restore_checkpoint(ck: dict, student, rng: random.Random) -> tuple[DistillState, dict]:
+    """Model and RNG states back in place; returns the state and the optimizer state, which goes into
+    the final optimizer (a ZeRO optimizer exists only after `wrap`)."""
     student.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optim"])
     rng.setstate(ck["rng"])
     torch.set_rng_state(ck["torch_rng"])
-    return DistillState(**ck["state"])
+    return DistillState(**ck["state"]), ck["optim"]
 
 
 def retention_record(scores: dict[str, float], references: dict[str, float]) -> dict:
@@ -149,46 +208,63 @@ def retention_record(scores: dict[str, float], references: dict[str, float]) -> 
             "min_retention": min(ret.values()) if ret else float("nan")}
 
 
+def _shared(value, world: int):
+    """Rank 0's value on every rank: decisions (keep-best, stop) must not differ between ranks."""
+    return value if world == 1 else rank0_value(value)
+
+
 def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher], routes: Routes,
             ckpt_path: Path | None = None, *, evaluate_fn: Callable[[object], dict[str, float]] | None = None,
             references: dict[str, float] | None = None, teacher_weights: dict[str, float] | None = None,
-            log=print, progress=None, stop: Callable[[dict], bool] | None = None) -> DistillState:
+            log=print, progress=None, stop: Callable[[dict], bool] | None = None, wrap=None) -> DistillState:
     """Train `student` in place for `cfg.steps` steps; returns the state with the per-step history.
 
     routes: capability -> {teacher: weight} (see `opd.distill.routing.resolve_routes`).
     evaluate_fn(student) -> {capability: val score}, run every `eval_every` steps and at the end;
     with `references` (each capability's teacher score) the records carry retention.
     stop(record) -> True ends the run after that step (e.g. once a target score is reached).
+    wrap(model, opt) -> (engine, opt, backward): DeepSpeed (`opd.gspo.ds.deepspeed_wrap`). Each rank
+    draws its own `prompts_per_step` prompts and checkpoints to its own file; rank 0 evaluates and
+    its keep-best and stop decisions hold on every rank.
     """
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    rng = random.Random(f"opd|{cfg.seed}")
-    torch.manual_seed(cfg.seed)
-    state = load_checkpoint(ckpt_path, student, opt, rng, cfg) if ckpt_path else None
-    if state is None:
-        state = DistillState()
-    else:
+    rank, world = init_distributed() if wrap is not None else (0, 1)
+    ranks = {"deepspeed": wrap is not None, "world_size": world}
+    rng = random.Random(f"opd|{cfg.seed}" + (f"|{rank}" if rank else ""))
+    torch.manual_seed(cfg.seed + rank)
+    ckpt_path = rank_path(ckpt_path, rank) if ckpt_path else None
+    ck = resume_checkpoint(ckpt_path, cfg, ranks) if ckpt_path else None
+    state, optim_state = restore_checkpoint(ck, student, rng) if ck else (DistillState(), None)
+    if ck:
         log(f"resuming distillation at step {state.step}")
+    policy, backward = StudentHidden(student), None
+    if wrap is not None:
+        policy, opt, backward = wrap(policy, opt)
+    if optim_state is not None:
+        load_optimizer_state(opt, optim_state)
     engine = get_engine("embedded", model=student, tokenizer=tokenizer)
     t0 = time.time() - state.elapsed
     while state.step < cfg.steps:
         items, groups = sample_batch(engine, routes, mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                     seed=cfg.seed * 100_003 + state.step)
+                                     seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
         batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk)
         for g in opt.param_groups:
             g["lr"] = step_lr(cfg, state.step)
-        rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"], **opd_step(student, opt, batch, cfg, teachers)}
+        rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
+               **opd_step(policy, opt, batch, cfg, teachers, backward)}
         for cap in dict.fromkeys(batch.row_caps):
             rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
             rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
         state.step += 1
-        state.gen_tokens += batch.gen_tokens
+        state.gen_tokens += batch.gen_tokens if world == 1 else ranks_sum(batch.gen_tokens)
         rec["gen_tokens"] = state.gen_tokens
         last = state.step == cfg.steps
         if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
-            rec.update(retention_record(evaluate_fn(student), references or {}))
+            scores = _shared(evaluate_fn(student) if rank == 0 else None, world)
+            rec.update(retention_record(scores, references or {}))
             student.train()
             if rec.get("min_retention", -1.0) > state.best_min_retention:
                 state.best_min_retention, state.best_step = rec["min_retention"], state.step
@@ -201,7 +277,11 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         if progress:
             progress(state, rec)
         if ckpt_path and (last or state.step % cfg.checkpoint_every == 0):
-            save_checkpoint(ckpt_path, student, opt, state, rng, cfg)
-        if stop is not None and stop(rec):
+            save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
+        if stop is not None and _shared(stop(rec), world):
             break
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank's last checkpoint is written before rank 0 removes them
     return state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -73,21 +74,39 @@ def init_student(run: DistillRun, teachers: dict[str, Teacher], manifests: dict[
     return model, tok
 
 
+def _prefixed(log, prefix: str):
+    return lambda msg: log(prefix + msg)
+
+
 def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool = True) -> dict:
-    """Parse-setup-train-save: returns the manifest written to <out>/manifest.json."""
+    """Parse-setup-train-save: returns the manifest written to <out>/manifest.json.
+
+    With `run.deepspeed`, under a launcher every rank calls this; rank 0 writes and returns the
+    manifest, the others return {}.
+    """
     from transformers import AutoTokenizer
 
     from opd.evaluation.api import evaluate as lm_eval_score
 
     torch.set_num_threads(run.threads)
     out = run.out_dir
+    wrap, rank, world, device = None, 0, 1, run.device
+    if run.deepspeed is not None:
+        from opd.gspo.ds import deepspeed_wrap, init_distributed
+
+        rank, world = init_distributed()
+        wrap = deepspeed_wrap(run.distill.grad_clip, run.deepspeed)
+        if device == "cuda":  # one GPU per rank
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+        if rank:
+            log = _prefixed(log, f"[rank {rank}] ")
     tok0 = AutoTokenizer.from_pretrained(run.base)
     unknown = sorted(set(run.teacher_servers) - {Path(t).name for t in run.teachers})
     if unknown:
         raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {run.teachers}")
-    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, run.device)
+    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, device)
     student, tok = init_student(run, teachers, manifests)
-    student.to(run.device)
+    student.to(device)
     init_hash = state_dict_hash(student)
     routes = resolve_routes({n: t.capability for n, t in teachers.items()}, run.distill.routes)
     caps = list(routes)
@@ -101,13 +120,18 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         shutil.rmtree(ckpt.parent, ignore_errors=True)
         return done
     if fresh and ckpt.parent.exists():
-        shutil.rmtree(ckpt.parent)
+        try:
+            shutil.rmtree(ckpt.parent)
+        except FileNotFoundError:  # another rank removed it first (before any rank can save again)
+            pass
 
     def screen(m) -> dict[str, float]:
         return {c: s.score for c, s in lm_eval_score(m, tok, caps, "val", limit=run.distill.eval_limit).items()}
 
     state: DistillState = distill(run.distill, student, tok, teachers, routes, ckpt,
-                                  evaluate_fn=screen if evaluate else None, references=refs, log=log)
+                                  evaluate_fn=screen if evaluate else None, references=refs, log=log, wrap=wrap)
+    if rank != 0:
+        return {}  # rank 0 writes the student
     if state.best_model is not None and state.best_step != state.step:
         log(f"keeping step {state.best_step} (min val retention {state.best_min_retention:.3f})")
         student.load_state_dict(state.best_model)
@@ -116,7 +140,7 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         "run": run.model_dump(mode="json"), "routes": routes, "student_init_hash": init_hash,
         "inputs": {"base": run.base, "teachers": {n: {"path": m["path"], "content_hash": m["content_hash"],
                                                       "capability": m["capability"]} for n, m in manifests.items()}},
-        "train": {"steps": state.step, "seconds": state.elapsed, "gen_tokens": state.gen_tokens,
+        "train": {"steps": state.step, "seconds": state.elapsed, "gen_tokens": state.gen_tokens, "ranks": world,
                   "kept_step": state.best_step if state.best_model is not None else state.step,
                   "kept_min_val_retention": state.best_min_retention},
         "references": refs, "final": state.history[-1] if state.history else {},

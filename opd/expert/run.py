@@ -50,7 +50,7 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     if spec.deepspeed is not None:
         from opd.gspo.ds import deepspeed_wrap
 
-        wrap = deepspeed_wrap(spec)
+        wrap = deepspeed_wrap(spec.gspo.grad_clip, spec.deepspeed)
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console) as bar:
