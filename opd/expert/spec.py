@@ -48,7 +48,7 @@ class ExpertSpec(BaseModel):
     max_minutes: float = Field(10.0, gt=0, description="wall-clock budget; the best checkpoint by validation is kept")
     gspo: GSPOConfig = Field(default_factory=GSPOConfig)
     engine: Literal["embedded", "sglang"] = Field("embedded", description="rollout engine")
-    engine_args: dict = Field(default_factory=dict, description="engine options, e.g. {url: http://127.0.0.1:30000}")
+    engine_args: dict = Field(default_factory=dict, description="engine options, e.g. {base_url: http://127.0.0.1:30000} for sglang")
     eval_every: int = Field(10, gt=0, description="steps between validation screenings")
     eval_limit: int = Field(100, gt=0, description="validation items per screening")
     checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
