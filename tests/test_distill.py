@@ -128,6 +128,19 @@ def test_reward_mix_and_retention_are_logged(trained_pico_dir, tokenizer):
                for r in state.history)
 
 
+def test_adaptive_mix_by_hand():
+    from opd.distill.loop import adapted_mix
+
+    mix = {"a": 0.5, "b": 0.25, "c": 0.25}
+    history = [{"step": 1, "min_retention": 0.5, "retention/a": 0.5, "retention/b": 1.2, "retention/c": 0.9},
+               {"step": 2, "loss": 0.1}]
+    # raw a: 0.5 * (1 + 2 * 0.5) = 1.0, b: 0.25 (above its teacher: no boost), c: 0.25 * 1.2 = 0.3
+    assert adapted_mix(mix, history, 2.0) == pytest.approx({"a": 1.0 / 1.55, "b": 0.25 / 1.55, "c": 0.3 / 1.55})
+    assert adapted_mix(mix, history, 0.0) == mix and adapted_mix(mix, history[1:], 2.0) == mix
+    with pytest.raises(ValueError, match="set eval_every > 0"):
+        DistillConfig(adaptive_mix=1.0)
+
+
 def test_cosine_schedule_is_logged_and_pins_steps_for_resume(trained_pico_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 

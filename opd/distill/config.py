@@ -48,6 +48,9 @@ class DistillConfig(BaseModel):
         None, description="capability -> teachers (default: each teacher serves its manifest's capability)")
     mix: dict[str, float] | None = Field(None, description="capability -> prompt share (default: each "
                                          "capability's summed teacher weight)")
+    adaptive_mix: float = Field(0.0, ge=0, description="after each retention check, scale capability c's prompt "
+                                "share by 1 + adaptive_mix * (1 - retention_c), so the student sees more of what it "
+                                "is losing (0: the mix stays fixed; needs eval_every > 0 and teacher references)")
     checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
     eval_every: int = Field(0, ge=0, description="steps between retention checks on val (0: only at the end)")
     eval_limit: int | None = Field(50, gt=0, description="val items per capability in a retention check")
@@ -67,6 +70,8 @@ class DistillConfig(BaseModel):
             raise ValueError("kl_weight and reward_weight are both 0: nothing to learn from")
         if self.reward_weight > 0 and self.group_size < 2:
             raise ValueError("reward_weight > 0 needs group_size >= 2 (rewards are group-normalised)")
+        if self.adaptive_mix > 0 and self.eval_every == 0:
+            raise ValueError("adaptive_mix reweights prompts after each retention check: set eval_every > 0")
         return self
 
 

@@ -208,6 +208,17 @@ def retention_record(scores: dict[str, float], references: dict[str, float]) -> 
             "min_retention": min(ret.values()) if ret else float("nan")}
 
 
+def adapted_mix(mix: dict[str, float], history: list[dict], strength: float) -> dict[str, float]:
+    """`mix` reweighted by the latest retention check in `history`: share_c ∝ mix_c * (1 + strength *
+    max(0, 1 - retention_c)). Derived from the history, so a resumed run draws the same prompts."""
+    last = next((r for r in reversed(history) if "min_retention" in r), None)
+    if not strength or last is None:
+        return mix
+    raw = {c: w * (1 + strength * max(0.0, 1 - last.get(f"retention/{c}", 1.0))) for c, w in mix.items()}
+    total = sum(raw.values())
+    return {c: v / total for c, v in raw.items()}
+
+
 def _shared(value, world: int):
     """Rank 0's value on every rank: decisions (keep-best, stop) must not differ between ranks."""
     return value if world == 1 else rank0_value(value)
@@ -247,7 +258,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     engine = get_engine("embedded", model=student, tokenizer=tokenizer)
     t0 = time.time() - state.elapsed
     while state.step < cfg.steps:
-        items, groups = sample_batch(engine, routes, mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
+        items, groups = sample_batch(engine, routes, adapted_mix(mix, state.history, cfg.adaptive_mix), rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                      seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
         batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk)
