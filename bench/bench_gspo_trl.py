@@ -3,23 +3,27 @@
     pip install trl "torch==2.13.0"          # benchmark-only dependency; keeps the CPU torch
     python bench/bench_gspo_trl.py [--base runs/base] [--steps 6] [--prompts 8] [--group 8] [--threads 1]
 
-Both trainers start from the same weights and see the same kind of prompts (the capability's train
-split), group size, completion length, learning rate, clip range and number of updates per rollout
-batch: opd's `updates_per_batch` minibatches are TRL's `steps_per_generation`. opd keeps every group
-(no zero-variance dropping, no resampling) so both generate exactly prompts x group completions per
-rollout batch. Without --base (or when it does not exist) a lab-like Qwen3 is built with
-`opd.lab.model.build_model` and pre-trained on the capability for a few seconds, so rewards start
-between 0 and 1 and the learning curves can move.
+Both trainers start from the same weights and see the same prompts in the same order (the stream
+opd's loop draws from the capability's train split; TRL's dataset shuffling is off), group size,
+completion length, learning rate, clip range and number of updates per rollout batch: opd's
+`updates_per_batch` minibatches are TRL's `steps_per_generation`. opd keeps every group (no
+zero-variance dropping, no resampling) so both generate exactly prompts x group completions per
+rollout batch. Both train in fp32 without activation checkpointing (TRL's defaults would turn on
+bf16 and gradient checkpointing). Without --base (or when it does not exist) a lab-like Qwen3 is
+built with `opd.lab.model.build_model` and pre-trained on the capability for a few seconds, so
+rewards start between 0 and 1 and the learning curves can move.
 
-Prints the torch thread count, completion tokens per second of each trainer and their ratio, and
-the mean reward of each rollout batch for both.
+Each trainer runs --repeats times, alternating which goes first, since the machine may be shared.
+Prints the torch thread count, completion tokens per second of each run, the ratio per repeat and
+of the medians, the mean reward of each rollout batch for both, and (untimed) the greedy val score
+of the start model and of both trained models.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import random
+import statistics
 import sys
 import tempfile
 import time
@@ -47,17 +51,22 @@ def pretrained_lab_model(capability: str, hidden: int, layers: int, steps: int):
     return model, tok
 
 
-def run_opd(model, tok, args) -> dict:
-    """opd's own loop (`opd.gspo.trainer.train`) with screening and checkpoints out of the way."""
+def opd_spec(args):
     from opd.expert.spec import ExpertSpec
-    from opd.gspo.trainer import train
 
-    spec = ExpertSpec(capability=args.capability, base="(in memory)", steps=args.steps, seed=args.seed,
+    return ExpertSpec(capability=args.capability, base="(in memory)", steps=args.steps, seed=args.seed,
                       eval_every=10**6, checkpoint_every=10**6, max_minutes=10**6, threads=args.threads,
                       gspo={"prompts_per_step": args.prompts, "group_size": args.group,
                             "updates_per_batch": args.updates, "lr": args.lr, "eps_low": args.eps_low,
                             "eps_high": args.eps_high, "max_new_tokens": args.max_new_tokens,
                             "drop_zero_variance": False, "min_informative": 0.0, "max_resample": 0})
+
+
+def run_opd(model, tok, args) -> dict:
+    """opd's own loop (`opd.gspo.trainer.train`) with screening and checkpoints out of the way."""
+    from opd.gspo.trainer import train
+
+    spec = opd_spec(args)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         state = train(spec, model, tok, Path(d) / "state.pt", evaluate_fn=lambda m: 0.0, log=lambda *_: None)
@@ -73,25 +82,31 @@ def run_trl(model, tok, args) -> dict:
 
     from opd.capabilities import get_capability
     from opd.capabilities.rewards import get_reward
+    from opd.gspo.trainer import prompt_rng
 
     cap = get_capability(args.capability)
     verifier = get_reward("verifier")
-    rng = random.Random(f"trl|{args.capability}|{args.seed}")
-    items = [cap.sample(rng, "train") for _ in range(args.prompts * args.steps)]
+    # opd's prompt stream, in opd's order (TRL's shuffling is off): batch k holds the same prompts in both
+    spec = opd_spec(args)
+    rng = prompt_rng(spec)
+    items = [cap.sample(rng, "train", spec.difficulty) for _ in range(args.prompts * args.steps)]
     data = Dataset.from_list([{"prompt": it.prompt, "answer": it.answer} for it in items])
     tokens = []
 
-    def reward(completions, answer, **_):
-        # Re-encoding counts the generated tokens: the lab tokenizer has one token per character and
-        # its stop token "\n" is a character that TRL's decoding keeps.
-        tokens.append(sum(len(tok(c, add_special_tokens=False).input_ids) for c in completions))
+    def reward(completions, answer, completion_ids, **_):
+        # TRL passes the generated ids, each cut after its stop token ("\n" or <eos>) as opd's are.
+        tokens.append(sum(len(ids) for ids in completion_ids))
         return [verifier(c, a, cap) for c, a in zip(completions, answer)]
 
     batch = args.prompts * args.group
     with tempfile.TemporaryDirectory() as d:
         config = GRPOConfig(
             output_dir=d, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-            seed=args.seed, learning_rate=args.lr, max_grad_norm=1.0, lr_scheduler_type="constant",
+            seed=args.seed, shuffle_dataset=False,
+            learning_rate=args.lr, max_grad_norm=1.0, lr_scheduler_type="constant",
+            # opd trains in fp32 without activation recomputation; TRL's defaults are bf16=True and
+            # gradient_checkpointing=True (the latter costs TRL an extra forward pass per update)
+            bf16=False, gradient_checkpointing=False,
             importance_sampling_level="sequence", loss_type="grpo", beta=0.0,
             epsilon=args.eps_low, epsilon_high=args.eps_high, scale_rewards="group",
             num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0, top_k=0,
@@ -106,8 +121,9 @@ def run_trl(model, tok, args) -> dict:
         t0 = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - t0
+    # TRL logs the reward once per generation, i.e. once per rollout batch
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"seconds": seconds, "tokens": sum(tokens), "rewards": rewards[:: max(1, len(rewards) // args.steps)]}
+    return {"seconds": seconds, "tokens": sum(tokens), "rewards": rewards}
 
 
 def main(argv=None) -> int:
@@ -127,6 +143,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pretrain-steps", type=int, default=120, help="SFT steps of the built model (no --base)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (on a loaded 2-core box, 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each trainer, alternating which goes first; the ratio is of median tok/s")
+    ap.add_argument("--val", type=int, default=200,
+                    help="score the start and both final models on this many val items (0 = skip)")
     args = ap.parse_args(argv)
     try:
         import trl
@@ -151,17 +171,33 @@ def main(argv=None) -> int:
           f"({n_params / 1e6:.2f}M params); {args.capability}: {args.steps} batches x {args.prompts} prompts x "
           f"{args.group} samples, <= {args.max_new_tokens} new tokens, {args.updates} updates per batch")
 
-    results = {}
-    for name, run in (("opd", run_opd), ("trl", run_trl)):
-        torch.manual_seed(args.seed)
-        results[name] = r = run(copy.deepcopy(model), tok, args)
-        print(f"{name}: {r['seconds']:.1f} s, {r['tokens']:.0f} completion tokens, "
-              f"{r['tokens'] / r['seconds']:.0f} tok/s, {r['seconds'] / args.steps:.2f} s per batch")
-    ratio = (results["opd"]["tokens"] / results["opd"]["seconds"]) / (results["trl"]["tokens"] / results["trl"]["seconds"])
-    print(f"opd / trl throughput: {ratio:.2f}x")
+    runs: dict[str, list[dict]] = {"opd": [], "trl": []}
+    trained = {}
+    for rep in range(args.repeats):
+        # alternate who goes first, so a change in the shared machine's load hits both alike
+        order = (("opd", run_opd), ("trl", run_trl)) if rep % 2 == 0 else (("trl", run_trl), ("opd", run_opd))
+        for name, run in order:
+            torch.manual_seed(args.seed)
+            trained[name] = copy.deepcopy(model)
+            runs[name].append(r := run(trained[name], tok, args))
+            print(f"{name}: {r['seconds']:.1f} s, {r['tokens']:.0f} completion tokens, "
+                  f"{r['tokens'] / r['seconds']:.0f} tok/s, {r['seconds'] / args.steps:.2f} s per batch")
+    tok_s = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in runs.items()}
+    ratios = [o / t for o, t in zip(tok_s["opd"], tok_s["trl"])]
+    print("opd / trl throughput per repeat: " + " ".join(f"{x:.2f}x" for x in ratios))
+    print(f"opd / trl throughput: {statistics.median(tok_s['opd']) / statistics.median(tok_s['trl']):.2f}x "
+          f"(median tok/s: opd {statistics.median(tok_s['opd']):.0f}, trl {statistics.median(tok_s['trl']):.0f})")
     print("reward per rollout batch:")
-    for name, r in results.items():
-        print(f"  {name}: " + " ".join(f"{x:.2f}" for x in r["rewards"]))
+    for name, rs in runs.items():
+        print(f"  {name}: " + " ".join(f"{x:.2f}" for x in rs[-1]["rewards"]))
+    if args.val:
+        from opd.evaluation.api import evaluate
+
+        # Untimed: the same greedy lm-eval task for the start model and both final models.
+        score = {name: evaluate(m, tok, [args.capability], "val", limit=args.val, use_cache=False)[args.capability]
+                 for name, m in (("start", model), *trained.items())}
+        print(f"val {args.capability} (first {args.val} items, greedy): "
+              + ", ".join(f"{name} {sc.score:.3f} +- {sc.stderr:.3f}" for name, sc in score.items()))
     return 0
 
 

@@ -13,6 +13,14 @@ import torch
 import yaml
 
 from opd.expert.spec import ExpertSpec, load_expert_spec
+from opd.gspo.batch import (
+    completion_logits,
+    completion_targets,
+    group_rollouts,
+    grouped_completion_logits,
+    pad_sequences,
+    token_logprobs,
+)
 from opd.gspo.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,3 +125,39 @@ def test_spec_recorded_before_a_field_was_added_is_the_same_spec():
     assert same_spec(stored, spec)
     assert not same_spec({**stored, "seed": 1}, spec)
     assert not same_spec({"capability": "nope"}, spec)
+
+
+@pytest.mark.parametrize("completions", [[[5, 7, 2], [9], [5, 59], [3, 3, 3], [8, 2]], [[5], [9], [7], [3], [8]]],
+                         ids=["ragged", "one-token"])
+def test_grouped_logits_match_one_padded_forward(pico_model, tokenizer, completions):
+    """Running each distinct prompt once and the completions on its KV cache gives the logprobs
+    and gradients of the plain right-padded forward over every prompt+completion row."""
+    a, b = (tokenizer(p, add_special_tokens=False).input_ids for p in ("12+7=", "reverse abc:"))
+    prompts = [a, b, a, b, a]  # two groups, interleaved as a shuffled batch is
+    pad = tokenizer.pad_token_id
+    ids, attn, cmask, plen = pad_sequences(prompts, completions, pad)
+    Tc = cmask.shape[1]
+    batch = group_rollouts(prompts, completions, pad)
+    assert batch.prompt_ids.shape[0] == 2 and batch.row_prompt.tolist() == [0, 1, 0, 1, 0]
+
+    def plain(rows):  # (b, Tc), 0 past each completion
+        logits = completion_logits(pico_model, ids[rows], attn[rows], plen[rows], Tc)
+        return token_logprobs(logits, completion_targets(ids[rows], plen[rows], Tc)) * cmask[rows]
+
+    def grouped(rows, n_grad=None):
+        logits = grouped_completion_logits(pico_model, batch, rows, n_grad=n_grad)
+        return token_logprobs(logits, batch.completion_ids[rows]) * batch.cmask[rows]
+
+    def grads(loss):
+        pico_model.zero_grad(set_to_none=True)
+        loss.backward()
+        return [p.grad.clone() for p in pico_model.parameters() if p.grad is not None]
+
+    everything = torch.arange(5)
+    torch.testing.assert_close(grouped(everything), plain(everything), atol=1e-5, rtol=0)
+    # rows 3 and 0 carry gradient, row 4 rides along without: its values still match
+    rows = torch.tensor([3, 0, 4])
+    got = grouped(rows, n_grad=2)
+    torch.testing.assert_close(got, plain(rows), atol=1e-5, rtol=0)
+    for g_got, g_ref in zip(grads(got.sum()), grads(plain(rows[:2]).sum()), strict=True):
+        torch.testing.assert_close(g_got, g_ref, atol=1e-5, rtol=1e-4)

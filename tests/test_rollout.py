@@ -60,6 +60,19 @@ def test_generate_shapes_and_logprobs_match_forward(engine, pico_model, tokenize
             torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(ref), atol=1e-4, rtol=0)
 
 
+def test_one_token_prompt_next_to_longer_ones(engine, pico_model, tokenizer):
+    # Prompts are prefilled once per group from a shared left-padded cache; a one-token prompt has
+    # nothing to prefill, and its samples must still match a clean forward pass.
+    out = engine.generate(["7", *PROMPTS], n=3, params=SamplingParams(max_new_tokens=4, seed=2))
+    assert [r.prompt for r in out[0]] == ["7"] * 3 and [len(g) for g in out] == [3] * 4
+    for group in out:
+        for r in group:
+            ref = _forward_logprobs(pico_model, r.prompt_ids, r.completion_ids)
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(ref), atol=1e-4, rtol=0)
+    solo = engine.generate(["7"], n=3, params=SamplingParams(max_new_tokens=4, seed=2))
+    assert len(solo[0]) == 3 and all(len(r.logprobs) == len(r.completion_ids) for r in solo[0])
+
+
 def test_logprobs_are_temperature_one_even_when_sampling_hot(engine, pico_model):
     out = engine.generate(PROMPTS[:1], n=2, params=SamplingParams(temperature=2.0, top_k=5, seed=3))
     for r in out[0]:

@@ -19,7 +19,7 @@ import torch
 from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec, same_spec
-from opd.gspo.batch import completion_logits, completion_targets, pad_sequences, token_entropy, token_logprobs
+from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
 from opd.gspo.loss import group_advantages, gspo_loss
 from opd.io import atomic_torch_save
 from opd.rollout import SamplingParams, get_engine
@@ -34,6 +34,12 @@ class RunState:
     best_step: int = 0
     best_model: dict | None = None
     history: list[dict] = field(default_factory=list)
+
+
+def prompt_rng(spec: ExpertSpec, rank: int = 0) -> random.Random:
+    """The RNG the loop draws its training prompts from: each step takes `prompts_per_step`
+    `cap.sample(rng, "train", spec.difficulty)` items in turn (more when it resamples)."""
+    return random.Random(f"gspo|{spec.capability}|{spec.seed}" + (f"|{rank}" if rank else ""))
 
 
 def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: int):
@@ -63,27 +69,31 @@ def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: in
 def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backward=None) -> dict:
     """Updates on one rollout batch; returns the stats GSPO practitioners watch."""
     g = spec.gspo
-    rollouts = [r for group, _ in kept for r in group]
     rewards = torch.tensor([rw for _, rw in kept], dtype=torch.float32)  # (P, G)
-    adv = group_advantages(rewards).reshape(-1)  # (P*G,)
-    ids, attn, cmask, plen = pad_sequences([r.prompt_ids for r in rollouts],
-                                           [r.completion_ids for r in rollouts], pad_id)
-    Tc = cmask.shape[1]
-    targets = completion_targets(ids, plen, Tc)
-    engine_lp = torch.zeros_like(cmask)
-    for i, r in enumerate(rollouts):
-        engine_lp[i, : len(r.logprobs)] = torch.tensor(r.logprobs)
+    order = torch.randperm(rewards.numel())  # shuffled once: minibatches are consecutive rows
+    adv = group_advantages(rewards).reshape(-1)[order]  # (B,)
+    rollouts = [r for group, _ in kept for r in group]
+    rollouts = [rollouts[i] for i in order]
+    # A group's samples share their prompt, which each forward below runs once per group.
+    batch = group_rollouts([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
+    cmask, targets = batch.cmask, batch.completion_ids  # (B, Tc)
+    engine_lp = torch.tensor([r.logprobs + [0.0] * (cmask.shape[1] - len(r.logprobs)) for r in rollouts])  # (B, Tc)
     with torch.no_grad():
-        old_lp = token_logprobs(completion_logits(model, ids, attn, plen, Tc), targets) \
-            if g.recompute_old_logprobs else engine_lp
-        ref_lp = token_logprobs(completion_logits(ref_model, ids, attn, plen, Tc), targets) \
+        ref_lp = token_logprobs(grouped_completion_logits(ref_model, batch), targets) \
             if ref_model is not None else None
-    mismatch = ((old_lp - engine_lp).abs() * cmask).sum() / cmask.sum()
+    old_lp = None if g.recompute_old_logprobs else engine_lp
     stats: dict[str, list[float]] = {}
-    order = torch.randperm(len(rollouts))
-    for chunk in order.chunk(g.updates_per_batch):
-        logits = completion_logits(model, ids[chunk], attn[chunk], plen[chunk], Tc)
-        new_lp = token_logprobs(logits, targets[chunk])
+    for chunk in torch.arange(len(rollouts)).chunk(g.updates_per_batch):
+        if old_lp is None:
+            # The policy has not moved since the rollout, so the first minibatch's pass, run on
+            # through the other rows without gradient, is the trainer's recompute of every old logprob.
+            logits = grouped_completion_logits(model, batch, n_grad=len(chunk))  # (B, Tc, V)
+            new_lp = token_logprobs(logits, targets)
+            old_lp = new_lp.detach()
+            logits, new_lp = logits[chunk], new_lp[chunk]
+        else:
+            logits = grouped_completion_logits(model, batch, chunk)  # (b, Tc, V)
+            new_lp = token_logprobs(logits, targets[chunk])
         loss, st = gspo_loss(new_lp, old_lp[chunk], adv[chunk], cmask[chunk], g.eps_low, g.eps_high,
                              level=g.level, kl_coef=g.kl_coef,
                              logp_ref=ref_lp[chunk] if ref_lp is not None else None)
@@ -99,6 +109,7 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
         for k, v in {**st, "loss": loss, "grad_norm": gn, "entropy": ent}.items():
             stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
     out = {k: sum(v) / len(v) for k, v in stats.items()}
+    mismatch = ((old_lp - engine_lp).abs() * cmask).sum() / cmask.sum()
     out.update(reward=float(rewards.mean()), logprob_mismatch=float(mismatch),
                trained_tokens=float(cmask.sum()) * g.updates_per_batch)
     return out
@@ -149,11 +160,12 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     """
     g = spec.gspo
     cap = get_capability(spec.capability)
-    opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    # fused: one kernel for every parameter instead of a dozen ops each (tiny models are all overhead)
+    opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     ref_model = copy.deepcopy(model).eval() if g.kl_coef > 0 else None
     # Each rank of a data-parallel run samples its own prompts and completions.
     rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
-    rng = random.Random(f"gspo|{spec.capability}|{spec.seed}" + (f"|{rank}" if rank else ""))
+    rng = prompt_rng(spec, rank)
     torch.manual_seed(spec.seed + rank)
     loaded = load_checkpoint(_rank_path(ckpt_path, rank), model, rng, spec)
     state, optim_state = loaded if loaded else (None, None)

@@ -1,4 +1,5 @@
-"""In-process rollouts with transformers `generate` (KV cache, batched, left padding): the CPU default."""
+"""In-process rollouts with transformers `generate` (KV cache, batched, left padding, one prefill per
+prompt shared by its samples): the CPU default."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ class EmbeddedEngine:
     """Samples from `model` itself, so `sync_weights` on the same object is free.
 
     model: a transformers causal LM; tokenizer: its tokenizer (prompts are encoded without special
-    tokens, as the lab trains them). batch_size: sequences per `generate` call (prompts x n).
+    tokens, as the lab trains them). batch_size: sequences per `generate` call (prompts x n); a
+    prompt's n samples always share one call, which prefills the prompt once for all of them.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 256):
@@ -24,21 +26,31 @@ class EmbeddedEngine:
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Rollout]]:
         """`n` samples per prompt; result[i][j] is sample j of prompts[i]. See `Rollout` for logprobs."""
-        encoded = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]  # prompt-major order
-        out: list[list[Rollout]] = [[] for _ in prompts]
+        if not prompts:
+            return []
+        encoded = self.tokenizer(prompts, add_special_tokens=False).input_ids
+        per_call = max(1, self.batch_size // n)  # whole groups per `generate` call
+        out: list[list[Rollout]] = []
         # fork_rng keeps the caller's global RNG untouched while making a seeded call repeatable.
         with torch.random.fork_rng(devices=[]):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            for start in range(0, len(flat), self.batch_size):
-                chunk = flat[start : start + self.batch_size]
-                for (i, p_ids), (c_ids, lps) in zip(chunk, self._generate_batch([c[1] for c in chunk], params), strict=True):
-                    text = self.tokenizer.decode(c_ids)
-                    out[i].append(Rollout(prompts[i], list(p_ids), c_ids, text, lps))
+            for start in range(0, len(prompts), per_call):
+                chunk = encoded[start : start + per_call]
+                samples = self._generate_groups(chunk, n, params)  # prompt-major: n rows per prompt
+                texts = self.tokenizer.batch_decode([ids for ids, _ in samples])
+                for k, p_ids in enumerate(chunk):
+                    rows = range(k * n, (k + 1) * n)
+                    out.append([Rollout(prompts[start + k], list(p_ids), samples[r][0], texts[r], samples[r][1])
+                                for r in rows])
         return out
 
-    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams):
+    def _generate_groups(self, prompt_ids: list[list[int]], n: int, params: SamplingParams):
+        """`n` samples of each prompt in one `generate` call: [(completion_ids, logprobs)] prompt-major.
+
+        Each prompt is prefilled once, not `n` times: a forward over all but its last token fills a
+        KV cache that is repeated for its `n` rows, and `generate` continues from that cache.
+        """
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
@@ -48,6 +60,13 @@ class EmbeddedEngine:
         for r, p in enumerate(prompt_ids):  # left padding: every prompt ends at column L-1
             input_ids[r, L - len(p) :] = torch.tensor(p)
             attn[r, L - len(p) :] = 1
+        input_ids, attn = input_ids.to(device), attn.to(device)
+        cache = None
+        if L > 1:
+            pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # (U, L): as `generate` derives them
+            cache = self.model(input_ids=input_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos[:, :-1],
+                               use_cache=True).cache
+            cache.batch_repeat_interleave(n)  # (U, ...) -> (U*n, ...)
         greedy = params.temperature == 0.0
         sample_kwargs = {} if greedy else {
             # top_k is always passed: 0 disables it, whereas None would fall back to the model's
@@ -55,21 +74,22 @@ class EmbeddedEngine:
             "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
         }
         gen = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attn.to(device),
-            do_sample=not greedy, max_new_tokens=params.max_new_tokens,
+            input_ids=input_ids.repeat_interleave(n, dim=0), attention_mask=attn.repeat_interleave(n, dim=0),
+            cache=cache, do_sample=not greedy, max_new_tokens=params.max_new_tokens,
             eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
             output_logits=True, return_dict_in_generate=True, **sample_kwargs,
         )
-        new = gen.sequences[:, L:]  # (B, T_new)
+        new = gen.sequences[:, L:]  # (U*n, T_new)
         # `logits` are the raw model outputs before temperature/top-p/top-k: log_softmax of them is
         # the temperature-1 policy that training recomputes, so the ratio starts at exactly 1.
-        logits = torch.stack(gen.logits, dim=1).float()  # (B, T_new, V)
-        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]  # (B, T_new)
+        logits = torch.stack(gen.logits, dim=1).float()  # (U*n, T_new, V)
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]  # (U*n, T_new)
         self.model.train(was_training)
+        stop_ids = set(self.stop_ids)
         results = []
-        for r in range(new.shape[0]):
-            ids = cut_at_stop(new[r].tolist(), set(self.stop_ids))
-            results.append((ids, lps[r, : len(ids)].tolist()))
+        for ids, lp in zip(new.tolist(), lps.tolist(), strict=True):
+            ids = cut_at_stop(ids, stop_ids)
+            results.append((ids, lp[: len(ids)]))
         return results
 
     @torch.no_grad()
