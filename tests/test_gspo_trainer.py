@@ -59,8 +59,10 @@ def _write_spec(tmp_path, base, **extra):
     return p
 
 
-def test_cli_resumes_after_sigkill(trained_pico_dir, tmp_path):
-    spec = _write_spec(tmp_path, trained_pico_dir, steps=40)
+@pytest.mark.parametrize("ds", [None, {"zero_optimization": {"stage": 2}}], ids=["torch", "zero2"])
+def test_cli_resumes_after_sigkill(trained_pico_dir, tmp_path, ds):
+    # under ZeRO-2 the checkpoint holds DeepSpeed's optimizer state, which a weights-only load must accept
+    spec = _write_spec(tmp_path, trained_pico_dir, steps=40, **({"deepspeed": ds} if ds else {}))
     out = tmp_path / "experts" / "count"
     env = {**os.environ, "OPD_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, str(ROOT / "scripts/train_expert.py"), str(spec), "--out", str(out)]
@@ -108,13 +110,6 @@ def test_every_shipped_expert_spec_loads():
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_cpu(trained_pico_dir, tmp_path):
-    spec = _write_spec(tmp_path, trained_pico_dir, steps=2, deepspeed={"zero_optimization": {"stage": 2}})
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/train_expert.py"), str(spec), "--out",
-                        str(tmp_path / "ds")], cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-
-
 def test_spec_recorded_before_a_field_was_added_is_the_same_spec():
     """A manifest written before a new spec field existed must not force a retrain."""
     from opd.expert.spec import same_spec

@@ -20,6 +20,7 @@ from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
+from opd.gspo.ds import rank_path, zero_checkpoint_globals
 from opd.gspo.loss import group_advantages, gspo_loss
 from opd.io import atomic_torch_save
 from opd.rollout import SamplingParams, get_engine
@@ -115,10 +116,6 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
     return out
 
 
-def _rank_path(path: Path, rank: int) -> Path:
-    return path if rank == 0 else path.with_name(f"{path.stem}-rank{rank}{path.suffix}")
-
-
 def _same_size_on_all_ranks(kept: list) -> list:
     """DeepSpeed needs the same number of backward calls on every rank: keep the smallest count
     of groups any rank kept (0 everywhere means every rank skips the update)."""
@@ -142,7 +139,11 @@ def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec) -> 
     is final (a DeepSpeed ZeRO optimizer only exists after `wrap`)."""
     if not path.exists():
         return None
-    ck = torch.load(path, weights_only=True)
+    if spec.deepspeed is not None:  # a ZeRO optimizer's state holds a few DeepSpeed classes
+        with torch.serialization.safe_globals(zero_checkpoint_globals()):
+            ck = torch.load(path, weights_only=True)
+    else:
+        ck = torch.load(path, weights_only=True)
     if not same_spec(ck["spec"], spec):
         return None
     model.load_state_dict(ck["model"])
@@ -167,7 +168,7 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
     rng = prompt_rng(spec, rank)
     torch.manual_seed(spec.seed + rank)
-    loaded = load_checkpoint(_rank_path(ckpt_path, rank), model, rng, spec)
+    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, spec)
     state, optim_state = loaded if loaded else (None, None)
     if state is None:
         state = RunState(temperature=g.temperature)
@@ -222,5 +223,5 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         if progress:
             progress(state, rec)
         if state.step % spec.checkpoint_every == 0:
-            save_checkpoint(_rank_path(ckpt_path, rank), policy, opt, state, rng, spec)
+            save_checkpoint(rank_path(ckpt_path, rank), policy, opt, state, rng, spec)
     return state
