@@ -85,7 +85,9 @@ def merge_table(run: Path) -> None:
     for cell in res["matrix"]["test"]:
         rows.setdefault(cell["candidate"], {})[cell["capability"]] = cell
     caps = list(next(iter(rows.values())))
-    print(f"\n### Merge search `{run}` ({len(res['trials'])} trials, {res.get('total_seconds', res['seconds']) / 60:.1f} min): "
+    took = (f"{res['total_seconds'] / 60:.1f} min" if "total_seconds" in res
+            else f"last invocation {res['seconds'] / 60:.1f} min, earlier ones not recorded")
+    print(f"\n### Merge search `{run}` ({len(res['trials'])} trials, {took}): "
           "best candidate per strategy, test split, retention vs each expert\n")
     print("| strategy | candidate | " + " | ".join(caps) + " | min retention |\n|---|---|" + "---|" * (len(caps) + 1))
     best: dict[str, tuple] = {}
