@@ -1,35 +1,58 @@
-"""Kill expert training with SIGKILL at random (seeded) moments and check that every rerun resumes.
+"""SIGKILL GSPO training, the merge search and OPD at random (seeded) moments; every rerun must resume.
 
-    python bench/fault_injection.py [--kills 20] [--seed 0] [--steps 8] [--base DIR]
+    python bench/fault_injection.py [--kills 20] [--jobs train,search,opd] [--seed 0] [--base DIR]
 
-One uninterrupted run is the reference. Then episodes: start `scripts/train_expert.py`, SIGKILL it
-after a random delay, check the artifacts on disk, rerun the same command, until it finishes; new
-episodes (fresh output) start until `--kills` kills happened in total. After every kill:
-  - the output directory is absent or whole (its manifest.json parses and its weights load);
-  - the checkpoint, when there is one, loads.
-After every episode: the expert has the reference's number of steps, version 1 and a test score
-within noise of the reference's. Without --base a pico Qwen3 is pre-trained on `count` for a few
-seconds (as tests/conftest.py does). tests/test_fault_injection.py runs a short version in CI.
+The three jobs, each on pico models built here in seconds (a pico Qwen3 pre-trained on `count`, and
+two "experts" that are small random task vectors on it):
+  train   scripts/train_expert.py SPEC --out DIR          (GSPO, checkpoint every step)
+  search  python -m opd.merge --recipe R.yaml --resume    (Optuna over ties, task_arithmetic, opd and
+                                                           ties+opd; --resume also starts a new study)
+  opd     python -m opd.distill RUN.yaml                  (checkpoint every step, val checks)
+
+For each job one uninterrupted run is the reference. Then episodes: start the command in a fresh
+directory, SIGKILL it after a random delay, check what is on disk, rerun the same command, until it
+finishes; new episodes start until the job's share of `--kills` happened. Checked:
+  - after every kill, every artifact that exists loads (JSON, safetensors, torch checkpoints, the
+    Optuna SQLite study, PNGs, model directories), and the job never went back: the checkpoint
+    step never decreases, finished Optuna trials stay as they were;
+  - every rerun resumes: it logs that it continues from the checkpoint the kill left (train, opd),
+    or keeps every finished trial, same start time and values, instead of running it again (search);
+  - after every episode, no temporary or backup file of an atomic write is left, and the result
+    matches the reference. Training and OPD: the same steps and bit-identical weights (checkpoints
+    carry every RNG state, and scoring leaves them alone). The search: as many finished trials, any
+    candidate both runs tried scored identically, and the best's val and test scores within noise
+    (not identical: a resumed study's sampler is reseeded and a trial the kill cut short is redone
+    under a new number, so the candidates differ after the first kill; see `Search.compare`).
+Once a kill leaves the finished output, the rerun is let finish. Prints one row per job and exits 1
+on any problem. tests/test_fault_injection.py runs a short version of each job in CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+JOBS = ("train", "search", "opd")
 
+
+# --- the pico lab ---------------------------------------------------------------------------------
 
 def build_pico_base(out: Path) -> Path:
     """A hidden-32, 2-layer Qwen3 trained on `count` for 120 steps: a base that scores above 0."""
@@ -41,6 +64,40 @@ def build_pico_base(out: Path) -> Path:
     return build_trained_pico(out)
 
 
+def build_lab(root: Path, base: Path, capabilities=("count", "rev"), scale: float = 0.05) -> dict:
+    """root/base and root/experts/<cap>/: the base plus a seeded random task vector each, with manifests.
+    The experts score near the base, so merges and students differ by a few items, as real ones do."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.io import state_dict_hash
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    base_hash = state_dict_hash(model)
+    model.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    (root / "base" / "manifest.json").write_text(json.dumps({"kind": "base", "content_hash": base_hash}))
+    experts = {}
+    for i, cap in enumerate(capabilities):
+        m = AutoModelForCausalLM.from_pretrained(base)
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "mlp" in name or "q_proj" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * scale)
+        d = root / "experts" / cap
+        m.save_pretrained(d)
+        tok.save_pretrained(d)
+        zero = {"score": 0.0, "stderr": 0.0, "n": 1}
+        (d / "manifest.json").write_text(json.dumps({
+            "name": cap, "capability": cap, "content_hash": state_dict_hash(m),
+            "base": {"path": str(root / "base"), "content_hash": base_hash},
+            "metrics": {"val": {cap: zero}, "test": {cap: zero}}}))
+        experts[cap] = d
+    return {"base": root / "base", "experts": experts}
+
+
 def write_spec(path: Path, base: Path, steps: int) -> Path:
     body = {"capability": "count", "base": str(base), "steps": steps, "eval_every": 2, "eval_limit": 20,
             "checkpoint_every": 1, "threads": 1, "score_capabilities": ["count"],
@@ -50,139 +107,616 @@ def write_spec(path: Path, base: Path, steps: int) -> Path:
     return path
 
 
-@dataclass
-class Trainer:
-    """One expert output and the command that (re)trains it."""
+def write_recipe(path: Path, lab: dict, out: Path, n_trials: int, opd_steps: int) -> Path:
+    """A search of `n_trials` cheap trials: two merge methods, and one OPD and one ties+opd trial."""
+    body = {"name": "faults", "base": str(lab["base"]), "experts": [str(p) for p in lab["experts"].values()],
+            "strategies": {"ties": {"density": [0.3, 1.0], "weight": [0.5, 1.0]},
+                           "task_arithmetic": {"weight": [0.2, 1.0]},
+                           "opd": {"lr": [5e-4, 2e-3]}, "ties+opd": {"density": 0.5, "weight": 1.0}},
+            "distill": {"steps": opd_steps, "prompts_per_step": 4, "group_size": 2, "checkpoint_every": 1},
+            "budget": {"n_trials": n_trials, "per_strategy": {"opd": 1, "ties+opd": 1}},
+            "sampler": "random", "out": str(out), "screening": {"limit": 50, "margin": 0.02, "warmup": 2},
+            "final_candidates": 2, "eval_batch_size": 64}
+    path.write_text(yaml.safe_dump(body))
+    return path
 
-    spec: Path
-    out: Path
-    env: dict = field(default_factory=lambda: {**os.environ, "OMP_NUM_THREADS": "1"})
 
-    @property
-    def ckpt(self) -> Path:
-        return self.out.parent / f".{self.out.name}.ckpt" / "state.pt"
+def write_run(path: Path, lab: dict, out: Path, steps: int) -> Path:
+    body = {"name": out.name, "base": str(lab["base"]), "teachers": [str(p) for p in lab["experts"].values()],
+            "out": str(out), "distill": {"steps": steps, "prompts_per_step": 4, "group_size": 2, "lr": 1e-3,
+                                         "checkpoint_every": 1, "eval_every": 4, "eval_limit": 40}}
+    path.write_text(yaml.safe_dump(body))
+    return path
 
-    def start(self) -> subprocess.Popen:
-        cmd = [sys.executable, str(ROOT / "scripts/train_expert.py"), str(self.spec), "--out", str(self.out)]
-        return subprocess.Popen(cmd, cwd=self.out.parent, env=self.env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
 
-    def run(self, kill_after: float | None = None) -> tuple[bool, float, str]:
-        """(killed, seconds, stderr tail): SIGKILL after `kill_after` s unless it ends first."""
-        t0 = time.time()
-        proc = self.start()
-        try:
-            _, err = proc.communicate(timeout=kill_after)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate()
-            return True, time.time() - t0, ""
-        if proc.returncode != 0:
-            raise RuntimeError(f"train_expert.py exited {proc.returncode}:\n{err[-3000:]}")
-        return False, time.time() - t0, err[-3000:]
+# --- what is on disk ------------------------------------------------------------------------------
 
-    def checkpoint_step(self) -> int | None:
+def is_temp(name: str) -> bool:
+    """A temporary or backup entry of opd.io's atomic writes (`.<name>.tmp-*`, `.<name>.old-<pid>`)."""
+    return name.startswith(".") and (".tmp-" in name or ".old-" in name)
+
+
+def leftovers(root: Path) -> list[str]:
+    """Temporary or backup files and directories of atomic writes under `root` (a kill mid-write)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if is_temp(p.name)) if root.exists() else []
+
+
+@contextlib.contextmanager
+def study_copy(path: Path) -> Iterator[Path]:
+    """A copy of an SQLite file with its journal. A kill mid-transaction leaves a hot journal, and one
+    while Optuna creates its tables a half-made schema; whoever opens the file next rolls the journal
+    back and Optuna finishes its schema. Opening the copy does what the rerun's open will do, without
+    changing the file the rerun is checked on."""
+    with tempfile.TemporaryDirectory() as d:
+        for f in path.parent.glob(f"{path.name}*"):  # study.db, study.db-journal (-wal, -shm)
+            shutil.copy2(f, Path(d) / f.name)
+        yield Path(d) / path.name
+
+
+def load_study_db(path: Path) -> int:
+    """Open the Optuna SQLite file as the rerun will and read every study and trial; returns the trial count."""
+    import optuna
+
+    with study_copy(path) as db:
+        with sqlite3.connect(db) as c:
+            ok = c.execute("pragma integrity_check").fetchone()[0]
+        if ok != "ok":
+            raise ValueError(f"sqlite integrity_check: {ok}")
+        storage = optuna.storages.RDBStorage(f"sqlite:///{db}")
+        n = sum(len(optuna.load_study(study_name=s.study_name, storage=storage).trials)
+                for s in optuna.get_all_study_summaries(storage))
+        storage.engine.dispose()
+        return n
+
+
+def load_artifact(path: Path) -> None:
+    """Read `path` the way its consumer does; raises if it is not whole."""
+    if path.suffix == ".json":
+        json.loads(path.read_text())
+    elif path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        load_file(path)
+    elif path.suffix == ".pt":
         import torch
 
-        return torch.load(self.ckpt, weights_only=False)["state"]["step"] if self.ckpt.exists() else None
+        torch.load(path, weights_only=False)
+    elif path.suffix == ".db":
+        load_study_db(path)
+    elif path.suffix == ".png":
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.load()
+    elif path.suffix in (".yaml", ".yml"):
+        yaml.safe_load(path.read_text())
+    elif path.suffix in (".md", ".html", ".jinja", ".txt"):
+        path.read_text(encoding="utf-8")
+    else:
+        path.read_bytes()
 
 
-def check_artifacts(t: Trainer) -> list[str]:
-    """What is wrong on disk after a kill (empty: nothing); loading is the check, not file presence."""
-    from transformers import AutoModelForCausalLM
+def check_tree(root: Path) -> list[str]:
+    """Every artifact under `root` that exists, loaded (model directories as models): what does not load.
+    Entries of unfinished atomic writes are not artifacts (see `leftovers`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     problems = []
-    if t.out.exists():
+    if not root.exists():
+        return problems
+    for p in sorted(root.rglob("*")):
+        if any(is_temp(part) for part in p.relative_to(root).parts) or p.suffix == ".log":
+            continue
         try:
-            json.loads((t.out / "manifest.json").read_text())
-            AutoModelForCausalLM.from_pretrained(t.out)
+            if p.is_file():
+                load_artifact(p)
+            elif (p / "config.json").exists():
+                AutoModelForCausalLM.from_pretrained(p)
+                AutoTokenizer.from_pretrained(p)
         except Exception as e:
-            problems.append(f"{t.out} is not whole: {type(e).__name__}: {e}")
-    try:
-        t.checkpoint_step()
-    except Exception as e:
-        problems.append(f"{t.ckpt} does not load: {type(e).__name__}: {e}")
+            problems.append(f"{p.relative_to(root)} does not load: {type(e).__name__}: {str(e)[:200]}")
     return problems
 
 
-def leftovers(t: Trainer) -> list[str]:
-    """Temporary or backup directories beside the output (atomic_dir's, left by a kill mid-write)."""
-    return sorted(p.name for p in t.out.parent.iterdir() if p.name.startswith(f".{t.out.name}.")
-                  and not p.name.endswith(".ckpt"))
+def checkpoint_step(path: Path) -> int | None:
+    import torch
+
+    return torch.load(path, weights_only=False)["state"]["step"] if path.exists() else None
 
 
-def summary(out: Path) -> dict:
-    m = json.loads((out / "manifest.json").read_text())
-    return {"steps": m["train"]["steps"], "version": m["version"], "test": m["metrics"]["test"]["count"]["score"],
-            "n": m["metrics"]["test"]["count"]["n"], "hash": m["content_hash"],
-            "rewards": [round(r.get("reward", float("nan")), 3) for r in m["train"]["history"]]}
+def within_noise(a: float, b: float, p: float, n: int) -> bool:
+    """Two means over n pass/fail items differ by noise: under 2 standard errors of their difference."""
+    se = (p * (1 - p) / n) ** 0.5
+    return abs(a - b) <= max(2 * se, 1e-9) * 2**0.5
 
 
-def kill_episode(t: Trainer, rng: random.Random, window: tuple[float, float], max_kills: int,
-                 log=print) -> dict:
-    """Kill `t` up to `max_kills` times at delays drawn from `window`, then let it finish."""
-    kills, problems, resumed_at, ckpt_steps = 0, [], [], []
+# --- the jobs -------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One job's directory (its config, output, checkpoints and run logs) and the command that (re)runs it.
+    Subclasses say what progress a rerun must resume from and what matches the uninterrupted reference."""
+
+    config: Path
+    out: Path
+    env: dict = field(default_factory=lambda: {**os.environ, "OMP_NUM_THREADS": "1"})
+    runs: int = 0
+
+    @property
+    def work(self) -> Path:
+        return self.out.parent
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def run(self, kill_after: float | None = None, armed: Callable[[], bool] | None = None
+            ) -> tuple[bool, float, str]:
+        """(killed, seconds, log): SIGKILL `kill_after` s after the start, or after `armed()` first
+        holds, unless it ends first. The log (stdout and stderr) is kept as run-<n>.log beside it."""
+        self.runs += 1
+        log_path = self.work / f"run-{self.runs}.log"
+        env = {**self.env, "COLUMNS": "200", "PYTHONPATH": str(ROOT)}
+        t0 = time.time()
+        with open(log_path, "w") as f:
+            proc = subprocess.Popen(self.command(), cwd=self.work, env=env, stdout=f, stderr=subprocess.STDOUT)
+        armed_at = t0 if armed is None else None
+        killed = False
+        while proc.poll() is None:
+            if kill_after is not None and armed_at is None and armed():
+                armed_at = time.time()
+            if armed_at is not None and kill_after is not None and time.time() - armed_at >= kill_after:
+                proc.send_signal(signal.SIGKILL)
+                killed = True
+                break
+            time.sleep(0.05)
+        proc.wait()
+        text = log_path.read_text(errors="replace")
+        if not killed and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(self.command())} exited {proc.returncode}:\n{text[-3000:]}")
+        return killed, time.time() - t0, text
+
+    def run_here(self) -> tuple[bool, float, str]:
+        """Like `run` without a kill, in this process: the command's code without the start-up of a new
+        interpreter (a cheaper reference or last rerun, for CI)."""
+        self.runs += 1
+        lines: list[str] = []
+        saved = os.environ.get("OPD_CACHE")
+        os.environ["OPD_CACHE"] = self.env["OPD_CACHE"]
+        t0 = time.time()
+        try:
+            self.call(lines.append)
+        finally:
+            os.environ.pop("OPD_CACHE") if saved is None else os.environ.__setitem__("OPD_CACHE", saved)
+        text = "\n".join(map(str, lines))
+        (self.work / f"run-{self.runs}.log").write_text(text)
+        return False, time.time() - t0, text
+
+    def call(self, log: Callable[[str], None]) -> None:
+        raise NotImplementedError
+
+    def progress(self):
+        """What a rerun started now must continue from."""
+        raise NotImplementedError
+
+    def done(self, progress) -> bool:
+        """Whether `progress` is the finished job (its last output written)."""
+        raise NotImplementedError
+
+    def check_rerun(self, before, log: str, finished: bool) -> tuple[str | None, list[str]]:
+        """Did the run that started at progress `before` (and wrote `log`) continue from it?
+        Returns (what it resumed from, for the table; None where the log shows nothing yet) and problems."""
+        raise NotImplementedError
+
+    def regressed(self, before, after) -> list[str]:
+        """Progress lost between two kills (it must only grow)."""
+        return []
+
+    def summary(self) -> dict:
+        raise NotImplementedError
+
+    def compare(self, ep: dict, ref: dict) -> list[str]:
+        """How the episode's result differs from the uninterrupted run's, beyond what is expected."""
+        raise NotImplementedError
+
+
+def _resume_from_ckpt(before: tuple[int | None, bool], log: str, finished: bool, resumed: re.Pattern,
+                      fresh: re.Pattern, done: re.Pattern | None = None) -> tuple[str | None, list[str]]:
+    """The start-up line of a checkpointed run (resumed at step k / fresh start / already done) must
+    match the checkpoint step `before[0]` and finished output `before[1]` it found."""
+    step, written = before
+    if done is not None and done.search(log):
+        return "done", [] if written else ["rerun said it was done, but no finished output was there"]
+    m = resumed.search(log)
+    if m:
+        k = int(m.group(1))
+        return f"step {k}", [] if k == step else [f"resumed at step {k}, the checkpoint held step {step}"]
+    if fresh.search(log):
+        if step is not None:
+            return "step 0", [f"started over although the checkpoint held step {step}"]
+        if written:
+            return "step 0", ["trained again although the finished output was there"]
+        return "step 0", []  # killed before its first checkpoint: nothing to resume
+    return None, [f"finished without saying where it started:\n{log[-1500:]}"] if finished else []
+
+
+@dataclass
+class CheckpointedJob(Job):
+    """A training run checkpointed beside its output (`.<out>.ckpt/state.pt`); its progress is
+    (checkpoint step or None, whether the finished output is there)."""
+
+    @property
+    def ckpt(self) -> Path:
+        return self.work / f".{self.out.name}.ckpt" / "state.pt"
+
+    def progress(self) -> tuple[int | None, bool]:
+        return checkpoint_step(self.ckpt), (self.out / "manifest.json").exists()
+
+    def done(self, progress) -> bool:
+        return progress[1]
+
+    def regressed(self, before, after):
+        lost = before[0] is not None and after[0] is not None and after[0] < before[0]
+        return [f"checkpoint went back from step {before[0]} to {after[0]}"] if lost else []
+
+
+@dataclass
+class Trainer(CheckpointedJob):
+    """GSPO expert training: `scripts/train_expert.py SPEC --out OUT`."""
+
+    kind = "train"
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(ROOT / "scripts/train_expert.py"), str(self.config), "--out", str(self.out)]
+
+    def call(self, log) -> None:
+        import io
+
+        from opd.expert.run import run_expert
+        from opd.expert.spec import load_expert_spec
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):  # where run_expert's console writes
+            run_expert(load_expert_spec(self.config), out=self.out)
+        log(err.getvalue())
+
+    def check_rerun(self, before, log, finished):
+        return _resume_from_ckpt(before, log, finished, re.compile(r"resuming \S+ at step (\d+)"),
+                                 re.compile(r"step 0: val"), re.compile(r"already holds this spec's expert"))
+
+    def summary(self) -> dict:
+        m = json.loads((self.out / "manifest.json").read_text())
+        test = m["metrics"]["test"]["count"]
+        return {"steps": m["train"]["steps"], "version": m["version"], "test": test["score"], "n": test["n"],
+                "hash": m["content_hash"]}
+
+    def compare(self, ep, ref):
+        # Bit-identical, not just close: the checkpoint carries the model, the optimizer, the Python and
+        # torch RNG states and the best model so far; rollouts are seeded per step and scoring leaves
+        # the training RNG alone (cached or not), so a resumed run replays the uninterrupted one.
+        problems = [f"{k} {ep[k]} != {v}" for k, v in (("steps", ref["steps"]), ("version", 1), ("hash", ref["hash"]))
+                    if ep[k] != v]
+        if not within_noise(ep["test"], ref["test"], ref["test"], ref["n"]):
+            problems.append(f"test score {ep['test']:.3f} outside noise of the reference's {ref['test']:.3f}")
+        return problems
+
+
+@dataclass
+class Distiller(CheckpointedJob):
+    """Standalone OPD: `python -m opd.distill RUN.yaml`."""
+
+    kind = "opd"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "opd.distill", str(self.config)]
+
+    def call(self, log) -> None:
+        from opd.distill.config import load_run
+        from opd.distill.run import run_distill
+
+        run_distill(load_run(self.config), log=log)
+
+    def check_rerun(self, before, log, finished):
+        where, problems = _resume_from_ckpt(before, log, finished, re.compile(r"resuming distillation at step (\d+)"),
+                                            re.compile(r"opd step 1/"), re.compile(r"already holds this run's student"))
+        m = re.search(r"opd step (\d+)/", log)  # the first step this run took
+        if m and int(m.group(1)) != (before[0] or 0) + 1:
+            problems.append(f"first step {m.group(1)} after a checkpoint at step {before[0]}")
+        return where, problems
+
+    def summary(self) -> dict:
+        m = json.loads((self.out / "manifest.json").read_text())
+        hist = json.loads((self.out / "history.json").read_text())
+        final = m["final"]
+        return {"steps": m["train"]["steps"], "kept_step": m["train"]["kept_step"], "hash": m["content_hash"],
+                "history_steps": [h["step"] for h in hist], "loss": final["loss"],
+                "val": {k[4:]: v for k, v in final.items() if k.startswith("val/")}, "n": self.eval_limit()}
+
+    def eval_limit(self) -> int:
+        return yaml.safe_load(self.config.read_text())["distill"]["eval_limit"]
+
+    def compare(self, ep, ref):
+        # Bit-identical, as for training: the checkpoint carries the model, the optimizer, both RNG
+        # states, the history and the best student so far.
+        problems = [f"{k} {ep[k]} != {ref[k]}" for k in ("steps", "kept_step", "history_steps", "hash")
+                    if ep[k] != ref[k]]
+        problems += [f"final val {c} {ep['val'][c]:.3f} outside noise of {v:.3f}" for c, v in ref["val"].items()
+                     if not within_noise(ep["val"][c], v, v, ref["n"])]
+        return problems
+
+
+@dataclass
+class Search(Job):
+    """The merge search: `python -m opd.merge --recipe R.yaml --resume --no-live`. `--resume` makes one
+    command for the first run and every rerun: it continues the study when there is one, else starts it."""
+
+    kind = "search"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "opd.merge", "--recipe", str(self.config), "--resume", "--no-live"]
+
+    def call(self, log) -> None:
+        from opd.merge import load_recipe, run_recipe
+
+        run_recipe(load_recipe(self.config), resume=True, live=False, log=log)
+
+    @property
+    def db(self) -> Path:
+        return self.out / "study.db"
+
+    def trials(self) -> dict[int, tuple]:
+        """Finished trials: number -> (start time, values), read straight from the study's tables."""
+        if not self.db.exists():
+            return {}
+        with study_copy(self.db) as db, sqlite3.connect(db) as c:
+            try:
+                rows = c.execute("select t.number, t.datetime_start, v.objective, v.value from trials t "
+                                 "join trial_values v on v.trial_id = t.trial_id where t.state = 'COMPLETE'").fetchall()
+            except sqlite3.OperationalError:  # killed before the tables were made
+                return {}
+        out: dict[int, dict] = {}
+        for number, start, objective, value in rows:
+            out.setdefault(number, {"start": start})[objective] = value
+        return {n: (d.pop("start"), tuple(d[k] for k in sorted(d))) for n, d in out.items()}
+
+    def opd_steps(self) -> dict[str, int]:
+        """Checkpoint step of every OPD trial still training: trial dir -> step."""
+        return {p.parent.name: checkpoint_step(p) for p in sorted(self.out.glob("opd/trial-*/state.pt"))}
+
+    def progress(self) -> tuple[dict, dict, bool]:
+        return self.trials(), self.opd_steps(), (self.out / "results.json").exists()
+
+    def done(self, progress) -> bool:
+        return progress[2]  # the run's last write
+
+    def check_rerun(self, before, log, finished):
+        done, now = before[0], self.trials()
+        redone = sorted(n for n in done if now.get(n) != done[n])
+        problems = [f"finished trials {redone} were run again or changed"] if redone else []
+        if finished:
+            n_trials = yaml.safe_load(self.config.read_text())["budget"]["n_trials"]
+            if len(now) != n_trials:
+                problems.append(f"{len(now)} finished trials, not {n_trials}")
+            with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True) as c:
+                total = c.execute("select count(*) from trials").fetchone()[0]
+            if total > n_trials + self.runs - 1:  # each kill cuts short at most the one trial it hit
+                problems.append(f"{total} trials for {n_trials} finished after {self.runs - 1} kills")
+        return f"{len(done)} trials" + "".join(f" + {d} at step {k}" for d, k in before[1].items()), problems
+
+    def regressed(self, before, after):
+        trials = [f"finished trials {sorted(set(before[0]) - set(after[0]))} are gone"] \
+            if set(before[0]) - set(after[0]) else []
+        opd = [f"OPD {d} checkpoint went back from step {k} to {after[1][d]}" for d, k in before[1].items()
+               if after[1].get(d) is not None and after[1][d] < k]
+        return trials + opd
+
+    def summary(self) -> dict:
+        import optuna
+
+        s = json.loads((self.out / "results.json").read_text())
+        trials = {t["number"]: t for t in s["trials"]}
+        best = trials[s["final"][s["best"]]["trial"]]
+        storage = optuna.storages.RDBStorage(f"sqlite:///file:{self.db}?mode=ro&uri=true", skip_table_creation=True,
+                                             skip_compatibility_check=True)
+        states = [t.state.name for t in optuna.load_study(study_name=s["study"], storage=storage).trials]
+        opd_dirs = sorted(p.name for p in (self.out / "opd").iterdir()) if (self.out / "opd").exists() else []
+        return {
+            "trials": len(trials), "states": states, "best": best["candidate"], "best_n": best["scores"],
+            "best_val": {c: v[0] for c, v in best["scores"].items()},
+            "best_test": {c["capability"]: (c["score"], c["n"]) for c in s["matrix"]["test"] if c["candidate"] == s["best"]},
+            # a candidate (with the weights an OPD one starts from) -> its objective values
+            "by_candidate": {_key(t): t["values"] for t in trials.values()},
+            "opd_trials": {n: [h["step"] for h in t["opd_history"]] for n, t in trials.items() if "opd_history" in t},
+            "opd_steps": s["recipe"]["distill"]["steps"],
+            "opd_dirs": opd_dirs, "opd_left": sorted(str(p) for p in self.out.glob("opd/*/state.pt")),
+        }
+
+    def compare(self, ep, ref):
+        # The search is deterministic given its trial sequence: a candidate always merges (and, for OPD,
+        # trains) to the same weights and scores the same, so any candidate the two runs share must have
+        # identical values. The sequences differ after a kill, though: a resumed study's sampler is
+        # reseeded by the trials already in the study (so it does not replay their draws), and a trial
+        # the kill cut short is redone under a new number (a new seed). So the best is compared within
+        # noise, not for identity.
+        problems = [] if ep["trials"] == ref["trials"] else [f"{ep['trials']} finished trials, not {ref['trials']}"]
+        differ = [k for k, v in ep["by_candidate"].items() if k in ref["by_candidate"] and ref["by_candidate"][k] != v]
+        problems += [f"{len(differ)} candidates scored differently from the reference's same candidate"] if differ else []
+        n = next(iter(ref["best_n"].values()))[2]
+        problems += [f"best val {c} {ep['best_val'][c]:.3f} outside noise of {v:.3f}" for c, v in ref["best_val"].items()
+                     if not within_noise(ep["best_val"][c], v, v, n)]
+        problems += [f"best test {c} {ep['best_test'][c][0]:.3f} outside noise of {v:.3f}"
+                     for c, (v, n) in ref["best_test"].items() if not within_noise(ep["best_test"][c][0], v, v, n)]
+        if "RUNNING" in ep["states"]:
+            problems.append("a trial is left RUNNING")
+        # every OPD trial trained all its steps once, in the one directory of the trial it resumes
+        problems += [f"OPD trial {k} history steps {v}" for k, v in ep["opd_trials"].items()
+                     if v != list(range(1, ep["opd_steps"] + 1))]
+        if ep["opd_left"] or len(ep["opd_dirs"]) != len(ep["opd_trials"]):
+            problems.append(f"OPD directories {ep['opd_dirs']} (checkpoints left {ep['opd_left']}) for "
+                            f"{len(ep['opd_trials'])} OPD trials")
+        return problems
+
+
+def _key(trial: dict) -> str:
+    return json.dumps([trial["candidate"], trial.get("opd_init")], sort_keys=True)
+
+
+# --- kills ----------------------------------------------------------------------------------------
+
+def kill_episode(job: Job, rng: random.Random, window: tuple[float, float], max_kills: int, log=print,
+                 after_progress: bool = False, finish_here: bool = False) -> dict:
+    """Run `job` to the end in its (fresh) directory, SIGKILLing it up to `max_kills` times, each a
+    delay drawn from `window` after its start (or, `after_progress`, after it first saved progress
+    beyond what it started from); check the disk after every kill and the resume of every rerun.
+    `finish_here`: the last rerun runs in this process (`Job.run_here`)."""
+    kills, problems, resumed, progress = 0, [], [], []
     while True:
-        delay = rng.uniform(*window) if kills < max_kills else None
-        killed, seconds, err = t.run(kill_after=delay)
+        before = job.progress()
+        if kills == max_kills and finish_here:
+            killed, seconds, text = job.run_here()
+        else:
+            # once a kill left the finished output (the process was still writing or exiting), the
+            # rerun has nothing left to interrupt but its start-up: it runs to its end
+            delay = rng.uniform(*window) if kills < max_kills and not job.done(before) else None
+            killed, seconds, text = job.run(kill_after=delay, armed=_moved_on(job, before) if after_progress else None)
+        if job.runs > 1:  # a rerun: it must continue from what the kill left
+            where, found = job.check_rerun(before, text, finished=not killed)
+            problems += [f"run {job.runs}: {p}" for p in found]
+            if where is not None:
+                resumed.append(where)
         if not killed:
-            if "resuming" in err:
-                resumed_at.append(int(err.split("resuming count at step ")[1].split()[0]))
             break
         kills += 1
-        step = t.checkpoint_step()
-        ckpt_steps.append(step)
-        found = check_artifacts(t)
-        problems += found
-        log(f"  kill {kills} after {seconds:.1f} s: checkpoint step {step}, output "
-            f"{'whole' if t.out.exists() and not found else 'absent' if not t.out.exists() else 'BROKEN'}"
-            f"{', leftovers ' + str(leftovers(t)) if leftovers(t) else ''}")
-    return {"kills": kills, "problems": problems + check_artifacts(t), "leftovers": leftovers(t),
-            "resumed_at": resumed_at, "ckpt_steps": ckpt_steps, **summary(t.out)}
+        after = job.progress()
+        found = job.regressed(before, after) + check_tree(job.work)
+        problems += [f"kill {kills}: {p}" for p in found]
+        progress.append(after)
+        left = leftovers(job.work)
+        log(f"  kill {kills} after {seconds:.1f} s: {_describe(job, after)}{'; temp ' + str(left) if left else ''}"
+            f"{'; PROBLEMS ' + str(found) if found else ''}")
+    problems += check_tree(job.work)
+    return {"kills": kills, "problems": problems, "leftovers": leftovers(job.work), "resumed": resumed,
+            "progress": progress, "summary": job.summary()}
+
+
+def _moved_on(job: Job, before) -> Callable[[], bool]:
+    """Whether the job saved progress beyond `before` (a read torn by the live writer: not yet)."""
+    def moved() -> bool:
+        try:
+            return job.progress() != before
+        except Exception:
+            return False
+    return moved
+
+
+def _describe(job: Job, progress) -> str:
+    if isinstance(job, Search):
+        return (f"{len(progress[0])} finished trials, OPD checkpoints {progress[1] or '-'}, "
+                f"results {'written' if progress[2] else 'absent'}")
+    return f"checkpoint step {progress[0]}, output {'written' if progress[1] else 'absent'}"
+
+
+def make_job(kind: str, d: Path, lab: dict, size: int, opd_steps: int = 40) -> Job:
+    """The job `kind` with its output in `d` (created); `size` is its steps (train, opd) or trials (search),
+    `opd_steps` the steps of the search's OPD trials (40: long enough for kills to land in them).
+    The job has an eval cache of its own in `d`: its first run scores what the reference scored, and
+    its reruns find what its earlier runs scored, as a real rerun does."""
+    d.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPD_CACHE": str(d / "cache")}
+    if kind == "train":
+        return Trainer(write_spec(d / "count.yaml", lab["base"], size), d / "count", env)
+    if kind == "opd":
+        return Distiller(write_run(d / "run.yaml", lab, d / "student", size), d / "student", env)
+    return Search(write_recipe(d / "recipe.yaml", lab, d / "out", size, opd_steps), d / "out", env)
+
+
+def run_job(kind: str, work: Path, lab: dict, kills: int, per_episode: int, rng: random.Random, size: int,
+            log=print) -> dict:
+    """The uninterrupted reference, then episodes until `kills` kills; returns the job's report."""
+    ref_job = make_job(kind, work / "ref", lab, size)
+    _, ref_s, _ = ref_job.run()
+    problems = [f"reference: {p}" for p in check_tree(ref_job.work)]
+    ref = ref_job.summary()
+    log(f"{kind} reference: {ref_s:.1f} s")
+    # From process start to past the end of the uninterrupted run: kills land in start-up, training,
+    # trials, checkpointing, evaluation, the final scoring and the writes of the outputs.
+    window = (0.5, ref_s)
+    episodes, total = [], 0
+    while total < kills:
+        job = make_job(kind, work / f"ep{len(episodes)}", lab, size)
+        log(f"{kind} episode {len(episodes)}:")
+        ep = kill_episode(job, rng, window, min(per_episode, kills - total), log=log)
+        ep["problems"] += job.compare(ep["summary"], ref)
+        ep["problems"] += [f"left {ep['leftovers']}"] if ep["leftovers"] else []
+        ep["identical"] = ep["summary"]["hash"] == ref["hash"] if "hash" in ref else None
+        total += ep["kills"]
+        episodes.append(ep)
+        log(f"  done after {ep['kills']} kills, {job.runs} runs{'; PROBLEMS ' + str(ep['problems']) if ep['problems'] else ''}")
+    return {"job": kind, "ref": ref, "ref_s": ref_s, "episodes": episodes, "problems": problems}
+
+
+def print_table(reports: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="SIGKILL fault injection")
+    for col in ("job", "episodes", "kills", "reruns resumed from", "identical to reference", "problems"):
+        table.add_column(col, overflow="fold")
+    for r in reports:
+        eps = r["episodes"]
+        problems = r["problems"] + [p for e in eps for p in e["problems"]]
+        resumed = ", ".join(w for e in eps for w in e["resumed"]) or "-"
+        if eps and eps[0]["identical"] is not None:
+            same = f"{sum(e['identical'] for e in eps)}/{len(eps)} runs' weights"
+        else:
+            pairs = [_shared(e["summary"], r["ref"]) for e in eps]
+            same = f"{sum(a for a, _ in pairs)}/{sum(b for _, b in pairs)} shared candidates' scores"
+        table.add_row(r["job"], str(len(eps)), str(sum(e["kills"] for e in eps)), resumed, same,
+                      "\n".join(problems) if problems else "none")
+    Console(width=200).print(table)
+
+
+def _shared(ep: dict, ref: dict) -> tuple[int, int]:
+    """(candidates scored as in the reference, candidates the reference also tried)."""
+    shared = [k for k in ep["by_candidate"] if k in ref["by_candidate"]]
+    return sum(ep["by_candidate"][k] == ref["by_candidate"][k] for k in shared), len(shared)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kills", type=int, default=20, help="SIGKILLs in total, over as many episodes as needed")
+    ap.add_argument("--kills", type=int, default=20, help="SIGKILLs in total, spread evenly over the jobs")
+    ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {','.join(JOBS)}")
     ap.add_argument("--per-episode", type=int, default=5, help="most kills before a run is let finish")
-    ap.add_argument("--steps", type=int, default=8, help="GSPO steps of each expert")
+    ap.add_argument("--steps", type=int, default=16, help="GSPO steps of each expert")
+    ap.add_argument("--opd-steps", type=int, default=64, help="steps of each OPD run")
+    ap.add_argument("--trials", type=int, default=6, help="finished trials of each search")
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill delays")
     ap.add_argument("--base", default=None, help="base model directory (default: a pico base built here)")
+    ap.add_argument("--work", default=None, help="work directory (default: a new temporary one)")
     args = ap.parse_args(argv)
+    jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
+    unknown = sorted(set(jobs) - set(JOBS))
+    if unknown or not jobs:
+        ap.error(f"--jobs: unknown {unknown}; choose from {','.join(JOBS)}")
 
-    work = Path(tempfile.mkdtemp(prefix="opd-faults-"))
-    base = Path(args.base) if args.base else build_pico_base(work / "base")
-    spec = write_spec(work / "count.yaml", base, args.steps)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPD_CACHE": str(work / "cache")}
-    ref_t = Trainer(spec, work / "ref" / "count", env)
-    ref_t.out.parent.mkdir()
-    _, ref_s, _ = ref_t.run()
-    ref = summary(ref_t.out)
-    print(f"reference: {ref_s:.1f} s, {ref['steps']} steps, test score {ref['test']:.3f} (n={ref['n']}), "
-          f"hash {ref['hash']}")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="opd-faults-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base = Path(args.base) if args.base else build_pico_base(work / "pico")
+    lab = build_lab(work / "lab", base)
+    print(f"work directory {work}")
     rng = random.Random(args.seed)
-    # From process start to well past the end of training: kills land in start-up, rollouts,
-    # updates, validation, checkpointing, the final scoring and the write of the expert.
-    window = (0.5, ref_s)
-    episodes, total = [], 0
-    while total < args.kills:
-        t = Trainer(spec, work / f"ep{len(episodes)}" / "count", env)
-        t.out.parent.mkdir()
-        print(f"episode {len(episodes)}:")
-        ep = kill_episode(t, rng, window, min(args.per_episode, args.kills - total))
-        total += ep["kills"]
-        episodes.append(ep)
-        print(f"  done after {ep['kills']} kills: {ep['steps']} steps, version {ep['version']}, test "
-              f"{ep['test']:.3f}, same weights as reference: {ep['hash'] == ref['hash']}"
-              f"{'; PROBLEMS ' + str(ep['problems']) if ep['problems'] else ''}")
-    bad = [e for e in episodes if e["problems"] or e["steps"] != ref["steps"] or e["version"] != 1]
-    # A test score is a mean over n items: differences under ~2 standard errors are noise.
-    se = (ref["test"] * (1 - ref["test"]) / ref["n"]) ** 0.5
-    far = [e for e in episodes if abs(e["test"] - ref["test"]) > max(2 * se, 1e-9) * 2 ** 0.5]
-    print(f"\n{total} kills in {len(episodes)} episodes; identical weights {sum(e['hash'] == ref['hash'] for e in episodes)}"
-          f"/{len(episodes)}; wrong steps/version or broken artifacts: {len(bad)}; test scores outside noise: "
-          f"{len(far)}; episodes with leftover temp dirs: {sum(bool(e['leftovers']) for e in episodes)}")
-    return 1 if bad or far else 0
+    size = {"train": args.steps, "search": args.trials, "opd": args.opd_steps}
+    share = [args.kills // len(jobs) + (i < args.kills % len(jobs)) for i in range(len(jobs))]
+    t0 = time.time()
+    reports = [run_job(kind, work / kind, lab, n, args.per_episode, rng, size[kind])
+               for kind, n in zip(jobs, share)]
+    print()
+    print_table(reports)
+    bad = sum(bool(r["problems"]) + sum(bool(e["problems"]) for e in r["episodes"]) for r in reports)
+    print(f"{sum(e['kills'] for r in reports for e in r['episodes'])} kills in {time.time() - t0:.0f} s; "
+          f"{bad} job references or episodes with problems")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""SIGKILL expert training at seeded random moments: every rerun resumes and the result stays whole.
+"""SIGKILL expert training, the merge search and OPD: every rerun resumes and the result stays whole.
 
-A fast subset of bench/fault_injection.py (which kills 20+ times): three kills, early enough in the
-run that each one interrupts training rather than the final write.
+A fast subset of bench/fault_injection.py (which kills the three jobs 20+ times at random moments),
+with its jobs, checks and comparisons: per job, kills a moment after the run saved progress beyond
+what it started from (a checkpoint, a finished trial, an OPD trial's checkpoint), so every rerun
+has something to resume. To save interpreter start-ups, the reference and the last rerun run in
+this process (the command's code, without its start-up); the killed runs are the command.
 """
 
 import importlib.util
-import os
 import random
+import shutil
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("fault_injection", ROOT / "bench" / "fault_injection.py")
@@ -17,27 +22,29 @@ sys.modules["fault_injection"] = fi  # dataclasses look their module up while th
 _spec.loader.exec_module(fi)
 
 
-def test_three_sigkills_resume_to_the_uninterrupted_result(trained_pico_dir, tmp_path):
-    spec = fi.write_spec(tmp_path / "count.yaml", trained_pico_dir, steps=8)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPD_CACHE": str(tmp_path / "cache")}
-    ref_t = fi.Trainer(spec, tmp_path / "ref" / "count", env)
-    ref_t.out.parent.mkdir()
-    _, ref_s, _ = ref_t.run()
-    ref = fi.summary(ref_t.out)
+# size: steps (train, opd), enough for the kills to land before the end even on a fast machine; trials (search)
+@pytest.mark.parametrize("kind,size,kills", [("train", 8, 3), ("opd", 12, 2), ("search", 3, 2)])
+def test_sigkills_after_progress_resume_to_the_uninterrupted_result(trained_pico_dir, tmp_path, kind, size, kills):
+    lab = fi.build_lab(tmp_path / "lab", trained_pico_dir)
+    ref_job = fi.make_job(kind, tmp_path / "ref", lab, size, opd_steps=4)  # the search's OPD trials: 4 steps
+    ref_job.run_here()
+    assert not fi.check_tree(ref_job.work)
+    ref = ref_job.summary()
 
-    t = fi.Trainer(spec, tmp_path / "killed" / "count", env)
-    t.out.parent.mkdir()
-    ep = fi.kill_episode(t, random.Random(0), (1.0, 0.5 * ref_s), max_kills=3, log=lambda *_: None)
+    job = fi.make_job(kind, tmp_path / "killed", lab, size, opd_steps=4)
+    shutil.copytree(ref_job.work / "cache", job.work / "cache")  # scores the reference computed: a faster CI
+    ep = fi.kill_episode(job, random.Random(0), (0.0, 0.1), max_kills=kills, log=lambda *_: None,
+                         after_progress=True, finish_here=True)
 
-    assert ep["kills"] >= 2, ep  # a rerun may outrun its delay once it has little left to do
+    assert ep["kills"] == kills, ep  # the pico runs outlast their kills
     assert not ep["problems"], ep["problems"]
     assert not ep["leftovers"], ep["leftovers"]
-    last = ep["ckpt_steps"][-1]
-    assert ep["resumed_at"] == ([last] if last else []), ep  # the last rerun continued from the checkpoint
-    assert ep["steps"] == ref["steps"] == 8 and ep["version"] == 1
-    assert ep["n"] == ref["n"] == 300
-    # Weights need not be identical: lm-eval reseeds torch's global RNG when it scores but not on a
-    # cache hit, so a resumed run can draw other minibatch orders. Scores agree within noise.
-    se = (ref["test"] * (1 - ref["test"]) / ref["n"]) ** 0.5
-    assert abs(ep["test"] - ref["test"]) <= 3 * max(se, 0.01) * 2**0.5, (ep["test"], ref["test"])
-    assert not t.ckpt.parent.exists()
+    assert len(ep["resumed"]) == kills, ep["resumed"]  # every rerun said where it started, or kept the trials
+    assert not job.compare(ep["summary"], ref)
+    if kind == "search":
+        assert ep["progress"][0] != ({}, {}, False), ep["progress"]  # a finished trial or an OPD checkpoint
+        assert ep["summary"]["trials"] == ref["trials"] == size
+    else:
+        assert ep["progress"][0][0] >= 1, ep["progress"]  # killed after its first checkpoint
+        assert ep["summary"]["hash"] == ref["hash"] and ep["summary"]["steps"] == size
+        assert not job.ckpt.parent.exists()
