@@ -25,8 +25,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale(final: Path) -> None:
-    """Clean up after a process killed inside `atomic_dir`: drop its temp dirs, and if it died
-    between the two renames (old moved away, new not yet in place) put the old version back."""
+    """Clean up after a process killed inside `atomic_dir` or an atomic file write: drop its temp dirs
+    and files, and if it died between the two renames (old moved away, new not yet in place) put the
+    old version back."""
     for p in final.parent.glob(f".{final.name}.old-*"):
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _pid_alive(int(pid)):
@@ -62,10 +63,17 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def _temp_file(path: Path) -> tuple[int, str]:
+    """A temp file next to `path`, named with this pid so that a later write of `path` can sweep it
+    away if this process is killed before the rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(path)
+    return tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp = _temp_file(path)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -84,8 +92,7 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
 
 def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp = _temp_file(path)
     os.close(fd)
     try:
         torch.save(obj, tmp)

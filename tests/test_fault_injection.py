@@ -48,3 +48,39 @@ def test_sigkills_after_progress_resume_to_the_uninterrupted_result(trained_pico
         assert ep["progress"][0][0] >= 1, ep["progress"]  # killed after its first checkpoint
         assert ep["summary"]["hash"] == ref["hash"] and ep["summary"]["steps"] == size
         assert not job.ckpt.parent.exists()
+
+
+SLOW_SAVE = """
+import sys, time
+from opd.io import atomic_torch_save
+
+class Slow:  # pickling it blocks: the save is under way, its temp file open
+    def __reduce__(self):
+        print("saving", flush=True)
+        time.sleep(120)
+
+atomic_torch_save({"x": Slow()}, sys.argv[1])
+"""
+
+
+def test_next_write_sweeps_the_temp_file_of_a_writer_killed_mid_save(tmp_path):
+    """A kill between the temp file and its rename leaves `.<name>.tmp-<pid>-*`; the next write of
+    the same path removes it (the bench found these in eval caches and checkpoint directories)."""
+    import os
+    import signal
+    import subprocess
+
+    from opd.io import atomic_torch_save
+
+    path = tmp_path / "state.pt"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "saving"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (stale,) = fi.leftovers(tmp_path)
+    assert stale.startswith(f".state.pt.tmp-{proc.pid}-") and not path.exists()
+    busy = tmp_path / f".state.pt.tmp-{os.getpid()}-busy"  # a live writer's: not touched
+    busy.write_bytes(b"")
+    atomic_torch_save({"x": 1}, path)
+    assert fi.leftovers(tmp_path) == [busy.name]
