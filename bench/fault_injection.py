@@ -67,35 +67,9 @@ def build_pico_base(out: Path) -> Path:
 def build_lab(root: Path, base: Path, capabilities=("count", "rev"), scale: float = 0.05) -> dict:
     """root/base and root/experts/<cap>/: the base plus a seeded random task vector each, with manifests.
     The experts score near the base, so merges and students differ by a few items, as real ones do."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from opd.lab.pico import build_fake_lab
 
-    from opd.io import state_dict_hash
-
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    base_hash = state_dict_hash(model)
-    model.save_pretrained(root / "base")
-    tok.save_pretrained(root / "base")
-    (root / "base" / "manifest.json").write_text(json.dumps({"kind": "base", "content_hash": base_hash}))
-    experts = {}
-    for i, cap in enumerate(capabilities):
-        m = AutoModelForCausalLM.from_pretrained(base)
-        g = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
-            for name, p in m.named_parameters():
-                if "mlp" in name or "q_proj" in name:
-                    p.add_(torch.randn(p.shape, generator=g) * scale)
-        d = root / "experts" / cap
-        m.save_pretrained(d)
-        tok.save_pretrained(d)
-        zero = {"score": 0.0, "stderr": 0.0, "n": 1}
-        (d / "manifest.json").write_text(json.dumps({
-            "name": cap, "capability": cap, "content_hash": state_dict_hash(m),
-            "base": {"path": str(root / "base"), "content_hash": base_hash},
-            "metrics": {"val": {cap: zero}, "test": {cap: zero}}}))
-        experts[cap] = d
-    return {"base": root / "base", "experts": experts}
+    return build_fake_lab(root, capabilities, scale=scale, base=base)
 
 
 def write_spec(path: Path, base: Path, steps: int) -> Path:

@@ -35,6 +35,7 @@ from opd.gspo.ds import (
     common_step,
     init_distributed,
     load_optimizer_state,
+    optimizer_step,
     rank0_value,
     rank_path,
     ranks_sum,
@@ -103,13 +104,7 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
             if cfg.reward_weight > 0:
                 pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows], m, cfg.eps_low, cfg.eps_high)
                 loss = loss + cfg.reward_weight * pg
-        if backward is None:
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            opt.step()
-        else:
-            gn = backward(loss)
+        gn = optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
             stats.setdefault(k, []).append(v)
     out = {k: sum(v) / len(v) for k, v in stats.items()}

@@ -207,3 +207,17 @@ def common_step(steps: list[int]) -> int | None:
     dist.all_gather_object(every, sorted(steps))
     shared = set(every[0]).intersection(*every[1:])
     return max(shared) if shared else None
+
+
+def optimizer_step(loss, opt, params, grad_clip: float, backward=None) -> float:
+    """One update from `loss`: backward, clip, step with a torch optimizer, or the DeepSpeed engine's
+    `backward` from `deepspeed_wrap` (which clips and steps itself). Returns the gradient norm."""
+    if backward is not None:
+        return backward(loss)
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    return gn

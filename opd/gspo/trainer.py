@@ -20,7 +20,7 @@ from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
-from opd.gspo.ds import rank_path, zero_checkpoint_globals
+from opd.gspo.ds import optimizer_step, rank_path, zero_checkpoint_globals
 from opd.gspo.loss import group_advantages, gspo_loss
 from opd.io import atomic_torch_save
 from opd.rollout import SamplingParams, get_engine
@@ -98,13 +98,7 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
         loss, st = gspo_loss(new_lp, old_lp[chunk], adv[chunk], cmask[chunk], g.eps_low, g.eps_high,
                              level=g.level, kl_coef=g.kl_coef,
                              logp_ref=ref_lp[chunk] if ref_lp is not None else None)
-        if backward is None:
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), g.grad_clip)
-            opt.step()
-        else:
-            gn = backward(loss)
+        gn = optimizer_step(loss, opt, model.parameters(), g.grad_clip, backward)
         with torch.no_grad():
             ent = (token_entropy(logits) * cmask[chunk]).sum() / cmask[chunk].sum()
         for k, v in {**st, "loss": loss, "grad_norm": gn, "entropy": ent}.items():

@@ -31,3 +31,56 @@ def build_trained_pico(out: Path, capability: str = "count", steps: int = 120) -
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def build_fake_lab(root: Path, capabilities=("add", "rev"), shape: ModelShape = PICO, scale: float = 0.02,
+                   base: Path | None = None) -> dict:
+    """Write root/base and root/experts/<cap>/ (HF dirs + manifest.json); returns their paths.
+
+    The base is a fresh pico model of `shape`, or a copy of the model directory `base` (e.g. one
+    from `build_trained_pico`); each expert is the base plus a seeded sparse-ish random task vector
+    (MLP and query weights), with a manifest like a trained expert's (scores 0)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.io import state_dict_hash
+    from opd.lab.model import build_model
+    from opd.lab.tokenizer import build_char_tokenizer
+
+    root = Path(root)
+    if base is None:
+        tok = build_char_tokenizer()
+
+        def load():
+            return build_model(shape, tok, seed=0)
+    else:
+        tok = AutoTokenizer.from_pretrained(base)
+
+        def load():
+            return AutoModelForCausalLM.from_pretrained(base)
+    model = load()
+    base_hash = state_dict_hash(model)
+    model.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    (root / "base" / "manifest.json").write_text(json.dumps({"kind": "base", "content_hash": base_hash}))
+    experts = {}
+    for i, cap in enumerate(capabilities):
+        m = load()
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "mlp" in name or "q_proj" in name:  # a sparse-ish task vector, as RL leaves
+                    p.add_(torch.randn(p.shape, generator=g) * scale)
+        d = root / "experts" / cap
+        m.save_pretrained(d)
+        tok.save_pretrained(d)
+        zero = {"score": 0.0, "stderr": 0.0, "n": 1}
+        (d / "manifest.json").write_text(json.dumps({
+            "name": cap, "capability": cap, "content_hash": state_dict_hash(m),
+            "base": {"path": str(root / "base"), "content_hash": base_hash},
+            "metrics": {"val": {cap: zero}, "test": {cap: zero}},
+        }))
+        experts[cap] = d
+    return {"base": root / "base", "experts": experts}
