@@ -100,9 +100,9 @@ def test_zero2_two_cpu_ranks_torchrun(trained_pico_dir, tmp_path):
 def test_zero2_optimizer_state_round_trip(tmp_path, monkeypatch):
     """A ZeRO-2 optimizer's state, saved as the trainer's checkpoint does, restores into a new engine.
 
-    The trainer does not do this yet: it loads the checkpoint's optimizer state into the torch
-    AdamW before `wrap` (KeyError 'param_groups' on resume); it must call `load_optimizer_state`
-    on the optimizer `wrap` returns.
+    The GSPO and OPD loops call `load_optimizer_state` on the optimizer `wrap` returns (loading it
+    into the torch AdamW before `wrap` fails with KeyError 'param_groups'); the end-to-end resumes
+    are test_gspo_trainer.py::test_cli_resumes_after_sigkill[zero2] and the OPD tests here.
     """
     import torch
 
