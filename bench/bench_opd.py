@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.distill import DistillConfig, resolve_routes
     from opd.distill.run import load_teachers, teacher_references
@@ -110,6 +110,13 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}; capabilities {caps}; teacher val scores {refs}; "
           f"target mean val {target:.3f}", flush=True)
 
+    # Both runs start from the base: a target at or below its score is reached before any training.
+    from opd.evaluation.api import evaluate
+
+    start_scores = evaluate(AutoModelForCausalLM.from_pretrained(base, dtype="float32"), AutoTokenizer.from_pretrained(base),
+                            caps, "val", limit=args.eval_limit)
+    start = sum(s.score for s in start_scores.values()) / len(caps)
+    print(f"start (base) mean val {start:.3f}", flush=True)
     results = {}
     runs = (("OPD", DistillConfig(**common)), ("GSPO", DistillConfig(**common, kl_weight=0.0, reward_weight=1.0)))
     for label, cfg in (runs[::-1] if args.match_gspo else runs):
@@ -128,9 +135,15 @@ def main() -> None:
     # a run that missed the target only bounds the ratio
     bound = "" if opd["reached"] and gspo["reached"] else (" (lower bound: GSPO missed the target)"
                                                              if opd["reached"] else " (OPD missed the target)")
-    print(f"tokens GSPO / OPD = {ratio:.1f}x{bound}; threads {torch.get_num_threads()}")
+    if target <= start:
+        ratio, bound = None, ""
+        print(f"no ratio: the target {target:.3f} is not above the start model's {start:.3f}, so reaching it "
+              f"measures nothing{' (GSPO never beat the base)' if args.match_gspo else ''}; "
+              f"threads {torch.get_num_threads()}")
+    else:
+        print(f"tokens GSPO / OPD = {ratio:.1f}x{bound}; threads {torch.get_num_threads()}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"target": target, "threads": torch.get_num_threads(), "ratio": ratio,
+        Path(args.out).write_text(json.dumps({"target": target, "start": start, "threads": torch.get_num_threads(), "ratio": ratio,
                                               "args": vars(args), **results}, indent=2))
 
 

@@ -194,18 +194,20 @@ def test_cli_resumes_after_sigkill(tmp_path):
     assert not ckpt.parent.exists()
 
 
-@pytest.mark.parametrize("match", [[], ["--match-gspo"]])
+@pytest.mark.parametrize("match", [["--target", "0.5"], ["--match-gspo"]])
 def test_bench_fast_path_runs(tmp_path, match):
     env = {**os.environ, "OPD_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, str(ROOT / "bench/bench_opd.py"), "--fake", "--experts", "count,rev",
                         "--prompts", "2", "--group", "2", "--out", str(tmp_path / "b.json"), *match],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "tokens GSPO / OPD" in r.stdout and "threads 1" in r.stdout
     res = json.loads((tmp_path / "b.json").read_text())
+    # a ratio only when the target is above the start model's score
+    assert ("tokens GSPO / OPD" in r.stdout) == (res["target"] > res["start"]) == (res["ratio"] is not None)
+    assert "threads 1" in r.stdout
     assert res["OPD"]["tokens"] > 0 and res["GSPO"]["tokens"] > 0
     assert all(len(res[k]["curve"]) == res[k]["steps"] for k in ("OPD", "GSPO"))  # --fake evaluates every step
-    if match:  # OPD's target is GSPO's best, reached or not
+    if "--match-gspo" in match:  # OPD's target is GSPO's best, reached or not
         assert res["target"] == res["GSPO"]["best_mean_val"] == max(v for _, v in res["GSPO"]["curve"])
 
 
