@@ -23,7 +23,7 @@ _spec.loader.exec_module(fi)
 
 
 # size: steps (train, opd), enough for the kills to land before the end even on a fast machine; trials (search)
-@pytest.mark.parametrize("kind,size,kills", [("train", 8, 3), ("opd", 12, 2), ("search", 3, 2)])
+@pytest.mark.parametrize("kind,size,kills", [("train", 16, 3), ("opd", 12, 2), ("search", 3, 2)])
 def test_sigkills_after_progress_resume_to_the_uninterrupted_result(trained_pico_dir, tmp_path, kind, size, kills):
     lab = fi.build_lab(tmp_path / "lab", trained_pico_dir)
     ref_job = fi.make_job(kind, tmp_path / "ref", lab, size, opd_steps=4)  # the search's OPD trials: 4 steps
