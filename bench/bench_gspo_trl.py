@@ -33,23 +33,12 @@ import torch
 
 
 def pretrained_lab_model(capability: str, hidden: int, layers: int, steps: int):
-    from opd.lab.data import MixtureStream, encode_sft
-    from opd.lab.model import ModelShape, build_model
-    from opd.lab.tokenizer import build_char_tokenizer
+    from opd.lab.model import ModelShape
+    from opd.lab.pico import pretrain_pico
 
-    tok = build_char_tokenizer()
     shape = ModelShape(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                        intermediate_size=2 * hidden, max_position_embeddings=64)
-    model = build_model(shape, tok, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    stream = MixtureStream({capability: 1.0}, seed=0)
-    for _ in range(steps):
-        loss = model(**encode_sft(tok, stream.next_batch(32))).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model, tok
-
+    return pretrain_pico(capability, steps, shape)
 
 def opd_spec(args):
     from opd.expert.spec import ExpertSpec

@@ -253,7 +253,8 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     engine = get_engine("embedded", model=student, tokenizer=tokenizer)
     t0 = time.time() - state.elapsed
     while state.step < cfg.steps:
-        items, groups = sample_batch(engine, routes, adapted_mix(mix, state.history, cfg.adaptive_mix), rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
+        step_mix = adapted_mix(mix, state.history, cfg.adaptive_mix)
+        items, groups = sample_batch(engine, routes, step_mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                      seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
         batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk)

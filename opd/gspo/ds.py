@@ -191,11 +191,19 @@ def rank0_value(obj):
 
 
 def ranks_sum(n: int) -> int:
+    return _all_reduce(n, "SUM")
+
+
+def ranks_min(n: int) -> int:
+    return _all_reduce(n, "MIN")
+
+
+def _all_reduce(n: int, op: str) -> int:
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([n], dtype=torch.long)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return int(t)
 
 

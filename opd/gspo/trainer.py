@@ -20,7 +20,7 @@ from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
-from opd.gspo.ds import optimizer_step, rank_path, zero_checkpoint_globals
+from opd.gspo.ds import load_optimizer_state, optimizer_step, rank_path, ranks_min, zero_checkpoint_globals
 from opd.gspo.loss import group_advantages, gspo_loss
 from opd.io import atomic_torch_save
 from opd.rollout import SamplingParams, get_engine
@@ -117,9 +117,7 @@ def _same_size_on_all_ranks(kept: list) -> list:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return kept
-    n = torch.tensor([len(kept)])
-    dist.all_reduce(n, op=dist.ReduceOp.MIN)
-    return kept[: int(n)]
+    return kept[: ranks_min(len(kept))]
 
 
 def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random, spec: ExpertSpec) -> None:
@@ -173,8 +171,6 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         log(f"resuming {spec.expert_name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
     backward = None
     if wrap is not None:
-        from opd.gspo.ds import load_optimizer_state
-
         model, opt, backward = wrap(model, opt)
         if optim_state is not None:
             load_optimizer_state(opt, optim_state)

@@ -10,9 +10,9 @@ PICO = ModelShape(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, nu
                   intermediate_size=64, max_position_embeddings=64)
 
 
-def build_trained_pico(out: Path, capability: str = "count", steps: int = 120) -> Path:
-    """A pico model trained for a few seconds on `capability`: it scores clearly above 0 but below
-    1, so score comparisons mean something. Written to `out` as an HF directory with tokenizer."""
+def pretrain_pico(capability: str = "count", steps: int = 120, shape: ModelShape = PICO):
+    """A lab model of `shape` trained for `steps` supervised batches on `capability` (seconds for
+    pico sizes): it scores clearly above 0 but below 1. Returns (model, tokenizer)."""
     import torch
 
     from opd.lab.data import MixtureStream, encode_sft
@@ -20,7 +20,7 @@ def build_trained_pico(out: Path, capability: str = "count", steps: int = 120) -
     from opd.lab.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    model = build_model(PICO, tok, seed=0)
+    model = build_model(shape, tok, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     stream = MixtureStream({capability: 1.0}, seed=0)
     for _ in range(steps):
@@ -28,10 +28,16 @@ def build_trained_pico(out: Path, capability: str = "count", steps: int = 120) -
         opt.zero_grad()
         loss.backward()
         opt.step()
+    return model, tok
+
+
+def build_trained_pico(out: Path, capability: str = "count", steps: int = 120) -> Path:
+    """`pretrain_pico`, written to `out` as an HF directory with its tokenizer, so score comparisons
+    in tests and benches mean something."""
+    model, tok = pretrain_pico(capability, steps)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
 
 def build_fake_lab(root: Path, capabilities=("add", "rev"), shape: ModelShape = PICO, scale: float = 0.02,
                    base: Path | None = None) -> dict:
