@@ -8,6 +8,7 @@ capabilities reaches the target; the cost counted is student tokens sampled.
 
     python bench/bench_opd.py --experts add,rev,count,sort [--base runs/base] [--target 0.8]
     python bench/bench_opd.py --experts sort,rev,shift,dedup --match-gspo --max-steps 300
+    python bench/bench_opd.py --experts sort,rev,shift,dedup --match-gspo --estimator full --opd-group 2
     python bench/bench_opd.py --fake        # pico fake experts: checks the wiring in seconds
 
 The target defaults to --target-frac (0.9) of the mean of the experts' own val scores. With
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=50)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--opd-group", type=int, help="OPD's samples per prompt (default --group): its per-token "
+                    "KL advantage needs no group, GSPO's group-normalised reward does")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--estimator", choices=["sampled", "full"], default="sampled")
     ap.add_argument("--threads", type=int, default=1)
@@ -118,7 +121,8 @@ def main() -> None:
     start = sum(s.score for s in start_scores.values()) / len(caps)
     print(f"start (base) mean val {start:.3f}", flush=True)
     results = {}
-    runs = (("OPD", DistillConfig(**common)), ("GSPO", DistillConfig(**common, kl_weight=0.0, reward_weight=1.0)))
+    opd_cfg = DistillConfig(**{**common, "group_size": args.opd_group or args.group})
+    runs = (("OPD", opd_cfg), ("GSPO", DistillConfig(**common, kl_weight=0.0, reward_weight=1.0)))
     for label, cfg in (runs[::-1] if args.match_gspo else runs):
         r = run_to_target(cfg, base, teachers, routes, caps, None if label == "GSPO" and args.match_gspo else target,
                           args.eval_limit, label)

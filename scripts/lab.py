@@ -18,10 +18,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="merge_recipes/lab.yaml", help="merge recipe whose experts the lab trains")
     ap.add_argument("--stages", default="base,experts,merge", help="comma-separated subset of base,experts,merge")
-    ap.add_argument("--jobs", type=int, default=1, help="experts trained at once, one process each (their specs "
-                    "set the torch threads; on a 2-core machine --jobs 2 with threads: 1 halves the experts stage)")
+    ap.add_argument("--jobs", type=int, default=None, help="experts trained at once, one process each (default: "
+                    "the recipe's train.jobs; their specs set the torch threads: on a 2-core machine --jobs 2 "
+                    "with threads: 1 halves the experts stage)")
     args = ap.parse_args(argv)
-    if args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         ap.error("--jobs: give 1 or more")
 
     from opd.lab.pipeline import run_lab

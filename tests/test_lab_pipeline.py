@@ -40,3 +40,53 @@ def test_run_parallel_names_the_failed_runs(tmp_path):
 def test_unknown_stage_is_refused():
     with pytest.raises(OpdError, match="unknown stage"):
         run_lab("merge_recipes/lab.yaml", ["experts", "distil"])
+
+
+RECIPE = """
+name: tiny10
+experts: [count, {out}/max]
+strategies: {{linear: {{weight: 1.0}}}}
+train: {{overrides: {{max_minutes: 0.5, gspo.lr: 0.001}}, jobs: {jobs}}}
+"""
+
+
+def _recipe(tmp_path, jobs=1):
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE.format(out=tmp_path / "lab10", jobs=jobs))
+    return path
+
+
+def test_experts_stage_applies_overrides_and_paths(tmp_path, monkeypatch):
+    import opd.expert.run
+
+    trained = []
+    monkeypatch.setattr(opd.expert.run, "run_expert", lambda spec, out=None: trained.append((spec, out)))
+    run_lab(str(_recipe(tmp_path)), ["experts"])
+    assert [(s.capability, s.max_minutes, s.gspo.lr, s.steps) for s, _ in trained] == [
+        ("count", 0.5, 0.001, 1000), ("max", 0.5, 0.001, 1000)]  # steps: from experts/<name>.yaml
+    assert [out for _, out in trained] == [None, tmp_path / "lab10" / "max"]
+
+
+def test_experts_stage_in_parallel_passes_the_same_to_each_process(tmp_path, monkeypatch):
+    import opd.lab.pipeline as pipeline
+
+    seen = {}
+    monkeypatch.setattr(pipeline, "run_parallel", lambda cmds, jobs, log_dir: seen.update(cmds=cmds, jobs=jobs))
+    run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"])  # jobs from the recipe
+    assert seen["jobs"] == 2
+    count, mx = seen["cmds"]["count"], seen["cmds"]["max"]
+    assert count[2].endswith("experts/count.yaml") and count[3:] == ["max_minutes=0.5", "gspo.lr=0.001"]
+    assert mx[-2:] == ["--out", str(tmp_path / "lab10" / "max")]
+    run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"], jobs=3)  # --jobs wins
+    assert seen["jobs"] == 3
+
+
+def test_expert_without_spec_and_bad_override_are_refused(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("experts: [nosuch]\nstrategies: {linear: {weight: 1.0}}\n")
+    with pytest.raises(OpdError, match=r"expert 'nosuch' has no spec .*experts/nosuch.yaml"):
+        run_lab(str(path), ["experts"])
+    path.write_text("experts: [count]\nstrategies: {linear: {weight: 1.0}}\n"
+                    "train: {overrides: {gspo.lrr: 1}}\n")
+    with pytest.raises(OpdError, match=r"r.yaml: field .train.overrides.: .*.gspo.lrr.: Extra inputs"):
+        run_lab(str(path), ["experts"])

@@ -41,36 +41,56 @@ def _last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
-def run_lab(recipe_path: str, stages: list[str], jobs: int = 1) -> None:
+def expert_jobs(recipe) -> dict[str, tuple[Path, Path | None]]:
+    """Each of a recipe's experts as name -> (its spec experts/<name>.yaml, its output directory).
+    An expert listed by name lands in the default experts/<name>/ (None); one listed as a path
+    (experts/lab10/add) lands there, trained from the spec named by its last part."""
+    from opd.expert.manifest import EXPERTS_DIR
+
+    jobs = {}
+    for entry in recipe.experts:
+        p = Path(entry)
+        out = p if len(p.parts) > 1 else None
+        spec = EXPERTS_DIR / f"{p.name}.yaml"
+        if not spec.exists():
+            raise OpdError(f"merge recipe: expert {entry!r} has no spec {spec}; write one (see experts/*.yaml)")
+        jobs[p.name] = (spec, out)
+    return jobs
+
+
+def expert_command(spec: Path, out: Path | None, overrides: dict) -> list[str]:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_expert.py"
+    return [sys.executable, str(script), str(spec), *(f"{k}={v}" for k, v in overrides.items()),
+            *(["--out", str(out)] if out else [])]
+
+
+def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None) -> None:
+    """Run the stages in order; `jobs` (experts trained at once) defaults to the recipe's train.jobs."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OpdError(f"--stages: unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
+    recipe = None
+    if "experts" in stages or "merge" in stages:
+        from opd.merge import load_recipe
+
+        recipe = load_recipe(recipe_path)  # bad input fails before hours of base training
     if "base" in stages:
         from opd.lab.run import build_and_report
 
         build_and_report()
-    experts: list[str] = []
-    if "experts" in stages or "merge" in stages:
-        from opd.merge import load_recipe
-
-        recipe = load_recipe(recipe_path)
-        experts = list(recipe.experts)
     if "experts" in stages:
-        from opd.expert.manifest import EXPERTS_DIR
         from opd.expert.run import run_expert
         from opd.expert.spec import load_expert_spec
 
-        specs = {name: EXPERTS_DIR / f"{name}.yaml" for name in experts}
-        for name, spec_path in specs.items():
-            if not spec_path.exists():
-                raise OpdError(f"{recipe_path}: expert {name!r} has no spec {spec_path}")
+        specs = expert_jobs(recipe)
+        overrides = {k: str(v) for k, v in recipe.train.overrides.items()}
+        jobs = jobs or recipe.train.jobs
         if jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged)
-            script = Path(__file__).resolve().parents[2] / "scripts" / "train_expert.py"
-            run_parallel({n: [sys.executable, str(script), str(p)] for n, p in specs.items()}, jobs,
-                         Path("runs") / "lab" / "logs")
+            run_parallel({n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
+                         jobs, Path("runs") / "lab" / "logs")
         else:
-            for spec_path in specs.values():
-                run_expert(load_expert_spec(spec_path))  # a no-op when spec and base are unchanged
+            for spec, out in specs.values():  # a no-op when spec and base are unchanged
+                run_expert(load_expert_spec(spec, **overrides), out=out)
     if "merge" in stages:
         from opd.merge import run_recipe
 

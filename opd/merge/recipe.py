@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from opd.config import load_yaml_model
 from opd.distill.config import DistillConfig
@@ -60,6 +60,33 @@ class Objectives(BaseModel):
         return self
 
 
+class LabTraining(BaseModel):
+    """How `scripts/lab.py` trains a recipe's experts; the merge search itself ignores it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    overrides: dict[str, Scalar] = Field(default_factory=dict, description="dotted expert-spec overrides "
+                                         "applied to every experts/<name>.yaml, e.g. {max_minutes: 3}; list "
+                                         "the experts as paths (experts/lab10/add) so that such experts get "
+                                         "their own directory and never replace the default versions")
+    jobs: int = Field(1, gt=0, description="experts trained at once, one process each (--jobs overrides)")
+
+    @field_validator("overrides")
+    @classmethod
+    def _valid_for_specs(cls, overrides):
+        from opd.config import apply_overrides
+        from opd.expert.spec import ExpertSpec
+
+        try:
+            ExpertSpec.model_validate(apply_overrides({"capability": "count"}, dict(overrides)))
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"{'.'.join(map(str, err['loc']))!r}: {err['msg']} (an expert spec's fields "
+                             "are in opd/expert/spec.py)") from None
+        except OpdError as e:
+            raise ValueError(str(e)) from None
+        return overrides
+
+
 class MergeRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -73,6 +100,7 @@ class MergeRecipe(BaseModel):
     distill: DistillConfig = Field(default_factory=DistillConfig, description="settings of the OPD strategies' "
                                    "runs that their parameters do not set")
     budget: Budget = Field(default_factory=Budget)
+    train: LabTraining = Field(default_factory=LabTraining, description="how scripts/lab.py trains the experts")
     objectives: Objectives = Field(default_factory=Objectives)
     sampler: Literal["tpe", "nsga2", "random"] = Field("tpe", description="Optuna sampler")
     seed: int = Field(0, description="sampler seed; trial n's randomised merges use seed + n")
