@@ -8,7 +8,7 @@ capabilities reaches the target; the cost counted is student tokens sampled.
 
     python bench/bench_opd.py --experts add,rev,count,sort [--base runs/base] [--target 0.8]
     python bench/bench_opd.py --experts sort,rev,shift,dedup --match-gspo --max-steps 300
-    python bench/bench_opd.py --experts sort,rev,shift,dedup --match-gspo --estimator full --opd-group 2
+    python bench/bench_opd.py --experts sort,rev,shift,dedup --match-gspo --estimator full --opd group_size=1
     python bench/bench_opd.py --fake        # pico fake experts: checks the wiring in seconds
 
 The target defaults to --target-frac (0.9) of the mean of the experts' own val scores. With
@@ -81,10 +81,16 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=50)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--opd-group", type=int, help="OPD's samples per prompt (default --group): its per-token "
-                    "KL advantage needs no group, GSPO's group-normalised reward does")
+    ap.add_argument("--opd", action="append", default=[], metavar="KEY=VALUE", help="an OPD-only setting "
+                    "(a DistillConfig field), e.g. --opd group_size=1: OPD's per-token KL advantage needs no "
+                    "group of samples, GSPO's group-normalised reward does")
+    ap.add_argument("--reuse-gspo", metavar="JSON", help="with --match-gspo: take the GSPO run from an earlier "
+                    "--out of this bench with the same base, experts and GSPO settings instead of rerunning it")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--estimator", choices=["sampled", "full"], default="sampled")
+    ap.add_argument("--min-gain", type=float, default=0.02, help="no ratio unless the target beats the start "
+                    "model's mean val by at least this much (a target at the start's score measures nothing)")
+    ap.add_argument("--seed", type=int, default=0, help="both runs' sampling seed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
@@ -109,7 +115,7 @@ def main() -> None:
     refs = teacher_references(routes, manifests)
     target = args.target if args.target is not None else args.target_frac * sum(refs.values()) / max(1, len(refs))
     common = dict(steps=args.max_steps, lr=args.lr, prompts_per_step=args.prompts, group_size=args.group,
-                  eval_every=args.eval_every, eval_limit=args.eval_limit, estimator=args.estimator)
+                  eval_every=args.eval_every, eval_limit=args.eval_limit, estimator=args.estimator, seed=args.seed)
     print(f"torch threads {torch.get_num_threads()}; capabilities {caps}; teacher val scores {refs}; "
           f"target mean val {target:.3f}", flush=True)
 
@@ -121,11 +127,19 @@ def main() -> None:
     start = sum(s.score for s in start_scores.values()) / len(caps)
     print(f"start (base) mean val {start:.3f}", flush=True)
     results = {}
-    opd_cfg = DistillConfig(**{**common, "group_size": args.opd_group or args.group})
-    runs = (("OPD", opd_cfg), ("GSPO", DistillConfig(**common, kl_weight=0.0, reward_weight=1.0)))
+    from opd.config import apply_overrides, parse_overrides
+
+    opd_cfg = DistillConfig(**apply_overrides(dict(common), parse_overrides(args.opd)))
+    gspo_cfg = DistillConfig(**common, kl_weight=0.0, reward_weight=1.0)
+    fingerprint = {"base_hash": _hash(base), "teachers": {n: m["content_hash"] for n, m in manifests.items()},
+                   "gspo": gspo_cfg.model_dump(mode="json")}
+    runs = (("OPD", opd_cfg), ("GSPO", gspo_cfg))
     for label, cfg in (runs[::-1] if args.match_gspo else runs):
-        r = run_to_target(cfg, base, teachers, routes, caps, None if label == "GSPO" and args.match_gspo else target,
-                          args.eval_limit, label)
+        if label == "GSPO" and args.reuse_gspo:
+            r = _reused_gspo(args, fingerprint)
+        else:
+            r = run_to_target(cfg, base, teachers, routes, caps,
+                              None if label == "GSPO" and args.match_gspo else target, args.eval_limit, label)
         results[label] = r
         if label == "GSPO" and args.match_gspo:
             target = r["best_mean_val"]
@@ -139,16 +153,41 @@ def main() -> None:
     # a run that missed the target only bounds the ratio
     bound = "" if opd["reached"] and gspo["reached"] else (" (lower bound: GSPO missed the target)"
                                                              if opd["reached"] else " (OPD missed the target)")
-    if target <= start:
+    if target < start + args.min_gain:
         ratio, bound = None, ""
-        print(f"no ratio: the target {target:.3f} is not above the start model's {start:.3f}, so reaching it "
+        print(f"no ratio: the target {target:.3f} is not --min-gain {args.min_gain} above the start model's "
+              f"{start:.3f}, so reaching it "
               f"measures nothing{' (GSPO never beat the base)' if args.match_gspo else ''}; "
               f"threads {torch.get_num_threads()}")
     else:
         print(f"tokens GSPO / OPD = {ratio:.1f}x{bound}; threads {torch.get_num_threads()}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"target": target, "start": start, "threads": torch.get_num_threads(), "ratio": ratio,
-                                              "args": vars(args), **results}, indent=2))
+        Path(args.out).write_text(json.dumps({"target": target, "start": start, "threads": torch.get_num_threads(),
+                                              "ratio": ratio, "args": vars(args), "fingerprint": fingerprint,
+                                              "opd_config": opd_cfg.model_dump(mode="json"), **results}, indent=2))
+
+
+def _hash(model_dir: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from opd.io import state_dict_hash
+
+    return state_dict_hash(AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"))
+
+
+def _reused_gspo(args, fingerprint: dict) -> dict:
+    """The GSPO result of an earlier run of this bench, refused unless it was the same GSPO run."""
+    if not args.match_gspo:
+        sys.exit(f"error: --reuse-gspo {args.reuse_gspo}: only with --match-gspo")
+    try:
+        old = json.loads(Path(args.reuse_gspo).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"error: --reuse-gspo {args.reuse_gspo}: cannot read it ({e})")
+    if old.get("fingerprint") != fingerprint or old["args"].get("match_gspo") is not True:
+        sys.exit(f"error: --reuse-gspo {args.reuse_gspo}: its base, teachers or GSPO settings differ from this "
+                 "run's; rerun without --reuse-gspo")
+    print(f"GSPO: reused from {args.reuse_gspo}", flush=True)
+    return old["GSPO"]
 
 
 if __name__ == "__main__":

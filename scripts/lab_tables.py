@@ -2,7 +2,7 @@
 
     python scripts/lab_tables.py [--base runs/base] [--experts add,count,...]
 
-Reads runs/base/manifest.json + lm-eval scores (cached), experts/<name>/manifest.json and
+Reads runs/base/manifest.json + lm-eval scores (cached), <experts-dir>/<name>/manifest.json and
 runs/controls/<name>.json (scripts/sft_control.py). Nothing is typed in by hand.
 """
 
@@ -21,6 +21,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="runs/base")
     ap.add_argument("--experts", default=None, help="comma-separated (default: every trained expert)")
+    ap.add_argument("--experts-dir", default=None, help="where the experts are (default experts/; e.g. "
+                    "experts/lab10 for the ten-expert lab's)")
     ap.add_argument("--merge", nargs="*", default=[], help="merge run dirs (runs/merge/<name>) to summarise")
     ap.add_argument("--distill", nargs="*", default=[], help="distillation outputs (runs/distill/<name>) to score")
     args = ap.parse_args(argv)
@@ -35,9 +37,10 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_pretrained(args.base)
     tok = AutoTokenizer.from_pretrained(args.base)
     base = evaluate(model, tok, caps, "test", model_hash=base_mf["content_hash"])
+    experts_dir = Path(args.experts_dir) if args.experts_dir else EXPERTS_DIR
     names = args.experts.split(",") if args.experts else sorted(
-        p.parent.name for p in EXPERTS_DIR.glob("*/manifest.json"))
-    experts = {n: json.loads((EXPERTS_DIR / n / "manifest.json").read_text()) for n in names}
+        p.parent.name for p in experts_dir.glob("*/manifest.json"))
+    experts = {n: json.loads((experts_dir / n / "manifest.json").read_text()) for n in names}
 
     print(f"### Base (`{args.base}`, kept step {base_mf['kept_step']}, "
           f"{base_mf['train_seconds'] / 60:.1f} min of pre-training), lm-eval test split\n")

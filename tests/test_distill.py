@@ -203,7 +203,8 @@ def test_bench_fast_path_runs(tmp_path, match):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "b.json").read_text())
     # a ratio only when the target is above the start model's score
-    assert ("tokens GSPO / OPD" in r.stdout) == (res["target"] > res["start"]) == (res["ratio"] is not None)
+    gain = res["args"]["min_gain"]
+    assert ("tokens GSPO / OPD" in r.stdout) == (res["target"] >= res["start"] + gain) == (res["ratio"] is not None)
     assert "threads 1" in r.stdout
     assert res["OPD"]["tokens"] > 0 and res["GSPO"]["tokens"] > 0
     assert all(len(res[k]["curve"]) == res[k]["steps"] for k in ("OPD", "GSPO"))  # --fake evaluates every step
@@ -277,3 +278,21 @@ def test_student_from_a_merge_of_the_teachers(tmp_path):
     # one AdamW step at lr 3e-4 moves a weight by about 3e-4; the teachers sit ~1e-2 from their mean
     assert (got - start).abs().max() < 1e-3 < (a[k] - start).abs().max()
     assert m["student_init_hash"] != m["content_hash"] and m["run"]["student_merge"]["strategy"] == "linear"
+
+
+def test_bench_reuses_a_matching_gspo_run_only(tmp_path):
+    env = {**os.environ, "OPD_CACHE": str(tmp_path / "cache")}
+    bench = [sys.executable, str(ROOT / "bench/bench_opd.py"), "--fake", "--experts", "count,rev",
+             "--prompts", "2", "--group", "2", "--match-gspo"]
+
+    def run(*extra):
+        return subprocess.run([*bench, *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    assert run("--out", str(tmp_path / "a.json")).returncode == 0
+    r = run("--reuse-gspo", str(tmp_path / "a.json"), "--opd", "group_size=1", "--out", str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert b["GSPO"] == a["GSPO"] and "GSPO: reused" in r.stdout
+    assert (b["opd_config"]["group_size"], a["opd_config"]["group_size"]) == (1, 2)
+    r = run("--reuse-gspo", str(tmp_path / "a.json"), "--lr", "1e-3")  # another GSPO run: refused
+    assert r.returncode != 0 and "GSPO settings differ" in r.stderr
