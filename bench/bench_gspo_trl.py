@@ -40,6 +40,7 @@ def pretrained_lab_model(capability: str, hidden: int, layers: int, steps: int):
                        intermediate_size=2 * hidden, max_position_embeddings=64)
     return pretrain_pico(capability, steps, shape)
 
+
 def opd_spec(args):
     from opd.expert.spec import ExpertSpec
 

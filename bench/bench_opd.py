@@ -121,9 +121,10 @@ def main() -> None:
 
     # Both runs start from the base: a target at or below its score is reached before any training.
     from opd.evaluation.api import evaluate
+    from opd.io import state_dict_hash
 
-    start_scores = evaluate(AutoModelForCausalLM.from_pretrained(base, dtype="float32"), AutoTokenizer.from_pretrained(base),
-                            caps, "val", limit=args.eval_limit)
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype="float32")
+    start_scores = evaluate(base_model, AutoTokenizer.from_pretrained(base), caps, "val", limit=args.eval_limit)
     start = sum(s.score for s in start_scores.values()) / len(caps)
     print(f"start (base) mean val {start:.3f}", flush=True)
     results = {}
@@ -131,7 +132,7 @@ def main() -> None:
 
     opd_cfg = DistillConfig(**apply_overrides(dict(common), parse_overrides(args.opd)))
     gspo_cfg = DistillConfig(**common, kl_weight=0.0, reward_weight=1.0)
-    fingerprint = {"base_hash": _hash(base), "teachers": {n: m["content_hash"] for n, m in manifests.items()},
+    fingerprint = {"base_hash": state_dict_hash(base_model), "teachers": {n: m["content_hash"] for n, m in manifests.items()},
                    "gspo": gspo_cfg.model_dump(mode="json")}
     runs = (("OPD", opd_cfg), ("GSPO", gspo_cfg))
     for label, cfg in (runs[::-1] if args.match_gspo else runs):
@@ -165,14 +166,6 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"target": target, "start": start, "threads": torch.get_num_threads(),
                                               "ratio": ratio, "args": vars(args), "fingerprint": fingerprint,
                                               "opd_config": opd_cfg.model_dump(mode="json"), **results}, indent=2))
-
-
-def _hash(model_dir: str) -> str:
-    from transformers import AutoModelForCausalLM
-
-    from opd.io import state_dict_hash
-
-    return state_dict_hash(AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"))
 
 
 def _reused_gspo(args, fingerprint: dict) -> dict:

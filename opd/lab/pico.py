@@ -39,6 +39,7 @@ def build_trained_pico(out: Path, capability: str = "count", steps: int = 120) -
     tok.save_pretrained(out)
     return out
 
+
 def build_fake_lab(root: Path, capabilities=("add", "rev"), shape: ModelShape = PICO, scale: float = 0.02,
                    base: Path | None = None) -> dict:
     """Write root/base and root/experts/<cap>/ (HF dirs + manifest.json); returns their paths.
