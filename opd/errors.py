@@ -27,6 +27,16 @@ def format_validation_error(source: str, err: pydantic.ValidationError) -> str:
     return f"{source}: field '{loc}': {msg}{more}"
 
 
+def naming_file(path, fn: Callable[..., T], *args, **kwargs) -> T:
+    """Call `fn`; an OpdError that does not name the input file `path` gets it in front."""
+    try:
+        return fn(*args, **kwargs)
+    except OpdError as e:
+        if str(path) in str(e):
+            raise
+        raise OpdError(f"{path}: {e}") from None
+
+
 def cli_main(fn: Callable[..., T]) -> Callable[..., T]:
     """Decorate a CLI entry point: OpdError -> one line on stderr, exit code 2, no traceback."""
 

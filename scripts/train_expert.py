@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from opd.config import parse_overrides
-from opd.errors import cli_main
+from opd.errors import cli_main, naming_file
 
 
 @cli_main
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
 
     overrides = parse_overrides(args.overrides)
     spec = load_expert_spec(args.spec, **overrides)
-    run_expert(spec, out=Path(args.out) if args.out else None, fresh=args.fresh)
+    naming_file(args.spec, run_expert, spec, out=Path(args.out) if args.out else None, fresh=args.fresh)
 
 
 if __name__ == "__main__":

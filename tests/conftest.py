@@ -11,9 +11,11 @@ from opd.lab.tokenizer import build_char_tokenizer
 
 
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    """Each test gets its own eval cache and one torch thread (the CI box has 2 cores)."""
+def _isolated(tmp_path, tmp_path_factory, monkeypatch):
+    """Each test gets its own eval cache and one torch thread (the CI box has 2 cores); pytest's temp
+    directory is an allowed output root (opd.paths), so tests write their artifacts there."""
     monkeypatch.setenv("OPD_CACHE", str(tmp_path / "opd-cache"))
+    monkeypatch.setenv("OPD_OUTPUT_ROOTS", str(tmp_path_factory.getbasetemp()))
     torch.set_num_threads(1)
 
 

@@ -24,9 +24,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from opd.distill.config import load_run
     from opd.distill.run import run_distill
+    from opd.errors import naming_file
 
-    run_distill(load_run(args.run, args.overrides), log=lambda m: print(m, file=sys.stderr, flush=True),
-                fresh=args.fresh, evaluate=not args.no_eval)
+    naming_file(args.run, run_distill, load_run(args.run, args.overrides),
+                log=lambda m: print(m, file=sys.stderr, flush=True), fresh=args.fresh, evaluate=not args.no_eval)
 
 
 if __name__ == "__main__":

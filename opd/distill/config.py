@@ -30,10 +30,10 @@ class DistillConfig(BaseModel):
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="'cosine': decay from lr to lr * lr_min_ratio over `steps` (the last step at the floor)")
     lr_min_ratio: float = Field(0.1, ge=0, le=1, description="final lr / lr under the cosine schedule")
-    prompts_per_step: int = Field(16, gt=0, description="prompts drawn per step, over all routed capabilities")
-    group_size: int = Field(4, gt=0, description="student samples per prompt (the verifier reward is "
+    prompts_per_step: int = Field(16, gt=0, le=4096, description="prompts drawn per step, over all routed capabilities")
+    group_size: int = Field(4, gt=0, le=1024, description="student samples per prompt (the verifier reward is "
                             "group-normalised, so mixing it in needs >= 2)")
-    max_new_tokens: int | None = Field(None, gt=0, description="sampling cap (default: the largest routed "
+    max_new_tokens: int | None = Field(None, gt=0, le=32768, description="sampling cap (default: the largest routed "
                                        "capability's max_new_tokens + 1)")
     temperature: float = Field(1.0, gt=0, description="student sampling temperature")
     updates_per_batch: int = Field(1, gt=0, description="minibatch updates per rollout batch")
@@ -54,7 +54,7 @@ class DistillConfig(BaseModel):
     checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
     eval_every: int = Field(0, ge=0, description="steps between retention checks on val (0: only at the end)")
     eval_limit: int | None = Field(50, gt=0, description="val items per capability in a retention check")
-    kernel_chunk: int = Field(1024, gt=0, description="tokens per chunk in the full-vocabulary kernels")
+    kernel_chunk: int = Field(1024, gt=0, le=16384, description="tokens per chunk in the full-vocabulary kernels")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -80,7 +80,8 @@ class DistillRun(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="names the output directory")
+    name: str = Field(pattern=r"^[\w-][\w.-]*$", description="names the output directory (one path "
+                      "component: letters, digits, _ - .)")
     base: str = Field("runs/base", description="the base model all teachers were trained from")
     teachers: list[str] = Field(min_length=1, description="expert names (experts/<name>/) or paths")
     student: str = Field("base", description="'base', or a model directory (e.g. runs/merge/<name>/best)")

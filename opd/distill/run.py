@@ -15,6 +15,7 @@ from opd.distill.routing import resolve_routes
 from opd.distill.teachers import Teacher, embedded_teacher
 from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
+from opd.paths import check_output, require_model_dir
 from opd.rollout import get_engine
 
 
@@ -60,9 +61,8 @@ def init_student(run: DistillRun, teachers: dict[str, Teacher], manifests: dict[
     from opd.merge.methods import Candidate, merge_candidate
     from opd.merge.recipe import merge_keys
 
-    src = run.base if run.student == "base" else run.student
-    if not (Path(src) / "config.json").exists():
-        raise OpdError(f"student {src}: not a model directory")
+    src = require_model_dir(run.base, "base", "set base= to a model directory") if run.student == "base" \
+        else require_model_dir(run.student, "student", "give a model directory or 'base'")
     model = AutoModelForCausalLM.from_pretrained(src, dtype="float32")
     tok = AutoTokenizer.from_pretrained(src)
     if run.student_merge is not None:
@@ -89,7 +89,11 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     from opd.evaluation.api import evaluate as lm_eval_score
 
     torch.set_num_threads(run.threads)
-    out = run.out_dir
+    out = check_output(run.out_dir, "out" if run.out else "name", kind="distilled")
+    require_model_dir(run.base, "base", "build the lab base with `python scripts/build_base.py` or set base= "
+                      "to a model directory")
+    if run.student != "base":
+        require_model_dir(run.student, "student", "give a model directory (e.g. runs/merge/<name>/best) or 'base'")
     wrap, rank, world, device = None, 0, 1, run.device
     if run.deepspeed is not None:
         from opd.gspo.ds import deepspeed_wrap, init_distributed

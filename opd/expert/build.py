@@ -14,16 +14,15 @@ from opd.evaluation.api import evaluate
 from opd.expert.manifest import EXPERTS_DIR, ExpertManifest, code_version
 from opd.expert.spec import ExpertSpec
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
+from opd.paths import history_dir, require_model_dir
 
 
 def load_base(path: str | Path):
     """The base as (model, tokenizer); a clear error when it is missing or not a causal LM."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    p = Path(path)
-    if not (p / "config.json").exists():
-        raise OpdError(f"base {p}: not a model directory (no config.json); build the lab base with "
-                       "`python scripts/build_base.py` or point 'base' at an HF model directory")
+    p = require_model_dir(path, "base", "build the lab base with `python scripts/build_base.py` or point "
+                          "'base' at an HF model directory")
     try:
         config = AutoConfig.from_pretrained(p)
     except Exception as e:
@@ -80,10 +79,6 @@ def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash:
         tok.save_pretrained(tmp)
         atomic_write_json(tmp / "manifest.json", manifest)
     return manifest
-
-
-def history_dir(out: Path) -> Path:
-    return out.parent / ".history" / out.name
 
 
 def version_previous(out: Path) -> None:

@@ -17,13 +17,14 @@ from opd.expert.build import base_capabilities, default_out, load_base, write_ex
 from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.trainer import train
 from opd.io import state_dict_hash, sweep_stale
+from opd.paths import check_output
 
 console = Console(stderr=True)
 
 
 def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -> dict:
     torch.set_num_threads(spec.threads)
-    out = Path(out) if out else default_out(spec)
+    out = check_output(out, "--out", kind="expert") if out else check_output(default_out(spec), "name", kind="expert")
     base_dir = Path(spec.base)
     model, tok = load_base(base_dir)
     base_hash = state_dict_hash(model)

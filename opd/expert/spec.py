@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
+from opd.paths import NAME_PATTERN
 
 
 class GSPOConfig(BaseModel):
@@ -16,8 +17,8 @@ class GSPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompts_per_step: int = Field(16, gt=0, description="prompts (groups) per rollout batch")
-    group_size: int = Field(8, gt=1, description="samples per prompt; advantages are normalised within a group")
+    prompts_per_step: int = Field(16, gt=0, le=4096, description="prompts (groups) per rollout batch")
+    group_size: int = Field(8, gt=1, le=1024, description="samples per prompt; advantages are normalised within a group")
     updates_per_batch: int = Field(4, gt=0, description="minibatch updates per rollout batch (ratios leave 1 after the first)")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
     eps_low: float = Field(3e-4, ge=0, description="lower clip: ratio floor is 1 - eps_low")
@@ -26,7 +27,7 @@ class GSPOConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy (0 = off)")
     temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
     max_temperature: float = Field(1.5, gt=0, description="ceiling when temperature is raised to revive stalled groups")
-    max_new_tokens: int | None = Field(None, gt=0, description="default: the capability's own")
+    max_new_tokens: int | None = Field(None, gt=0, le=32768, description="default: the capability's own")
     drop_zero_variance: bool = Field(True, description="drop groups whose samples all got the same reward")
     min_informative: float = Field(0.5, ge=0, le=1, description="resample prompts until this share of groups has mixed rewards")
     max_resample: int = Field(2, ge=0, description="extra rollout rounds allowed per step to reach min_informative")
@@ -37,13 +38,14 @@ class GSPOConfig(BaseModel):
 class ExpertSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str | None = Field(None, description="expert name; default: the capability")
+    name: str | None = Field(None, pattern=NAME_PATTERN, description="expert name (one path component: "
+                             "letters, digits, _ - .); default: the capability")
     capability: str = Field(description="capability to train (a registry name)")
     base: str = Field("runs/base", description="base model directory (HF format)")
     seed: int = Field(0, description="seed for sampling and the prompt stream")
     reward: Literal["verifier", "partial"] = Field("verifier", description="training reward (opd.capabilities.rewards); eval always uses the verifier")
     reward_timeout_s: float = Field(2.0, ge=0, description="a reward call taking longer scores 0 and is counted (0 = no limit)")
-    difficulty: int | None = Field(None, description="prompt difficulty; default: the capability's (the eval's)")
+    difficulty: int | None = Field(None, ge=0, description="prompt difficulty; default: the capability's (the eval's)")
     steps: int = Field(200, gt=0, description="rollout batches (upper bound; max_minutes may stop earlier)")
     max_minutes: float = Field(10.0, gt=0, description="wall-clock budget; the best checkpoint by validation is kept")
     gspo: GSPOConfig = Field(default_factory=GSPOConfig)
@@ -55,6 +57,15 @@ class ExpertSpec(BaseModel):
     score_capabilities: list[str] | None = Field(None, description="capabilities for the final matrix; default: the base's")
     deepspeed: dict | None = Field(None, description="DeepSpeed config (e.g. {zero_optimization: {stage: 2}}); None = plain torch")
     threads: int = Field(2, gt=0, description="torch CPU threads")
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _check_deepspeed(cls, v):
+        if v is not None:
+            from opd.gspo.ds import check_fragment
+
+            check_fragment(v)
+        return v
 
     @model_validator(mode="after")
     def _check(self):

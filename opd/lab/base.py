@@ -52,6 +52,9 @@ class BaseSpec(BaseModel):
     def _check(self):
         for c in list(self.capabilities) + list(self.mixture) + list(self.difficulty) + list(self.scored or []):
             get_capability(c)
+        bad = sorted(c for c, d in self.difficulty.items() if d < 0)
+        if bad:
+            raise ValueError(f"difficulty of {bad}: must be >= 0")
         if not 0 <= self.band[0] < self.band[1] <= 1:
             raise ValueError("band must be (low, high) with 0 <= low < high <= 1")
         return self

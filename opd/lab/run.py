@@ -11,6 +11,7 @@ from rich.table import Table
 
 from opd.io import atomic_write_json
 from opd.lab.base import DEFAULT_SPEC, build_base, load_base_spec, same_training
+from opd.paths import check_output
 
 console = Console(stderr=True)
 # What "mediocre" means for the lab (room for RL experts); the spec's `band` is the stricter
@@ -20,7 +21,7 @@ LAB_BAND = (0.10, 0.60)
 
 def build_and_report(spec_path=None, out="runs/base", force=False, overrides=None) -> dict:
     spec = load_base_spec(spec_path or DEFAULT_SPEC, **(overrides or {}))
-    out = Path(out)
+    out = check_output(out, "--out", kind="base")
     mf = out / "manifest.json"
     manifest = json.loads(mf.read_text()) if mf.exists() else None
     if manifest and same_training(manifest.get("spec"), spec) and not force:

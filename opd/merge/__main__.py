@@ -17,10 +17,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. budget.n_trials=20")
     args = ap.parse_args(argv)
 
+    from opd.errors import naming_file
     from opd.merge import load_recipe, run_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    run_recipe(recipe, resume=args.resume, worker=args.worker, live=not args.no_live)
+    naming_file(args.recipe, run_recipe, recipe, resume=args.resume, worker=args.worker, live=not args.no_live)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from opd.config import load_yaml_model
 from opd.distill.config import DistillConfig
 from opd.errors import OpdError
+from opd.paths import NAME_PATTERN, redact_url, require_model_dir
 
 Scalar = bool | int | float | str
 
@@ -90,7 +99,8 @@ class LabTraining(BaseModel):
 class MergeRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="names the run directory and the merged model")
+    name: str = Field(pattern=NAME_PATTERN, description="names the run directory and the merged model (one "
+                      "path component: letters, digits, _ - .)")
     base: str = Field("runs/base", description="the base model directory all experts were trained from")
     experts: list[str] = Field(min_length=1, description="expert names (experts/<name>/) or paths")
     capabilities: list[str] | None = Field(None, description="capabilities to score (default: each expert's own)")
@@ -110,7 +120,7 @@ class MergeRecipe(BaseModel):
     out: str | None = Field(None, description="run directory (default runs/merge/<name>)")
     storage: str | None = Field(None, description="Optuna storage URL (default sqlite in the run directory; "
                                 "an RDB URL such as postgresql://... lets several workers share the study)")
-    eval_batch_size: int = Field(64, gt=0)
+    eval_batch_size: int = Field(64, gt=0, le=4096, description="prompts per generate call when scoring")
     threads: int = Field(1, gt=0, description="torch CPU threads")
 
     @model_validator(mode="after")
@@ -154,6 +164,17 @@ class MergeRecipe(BaseModel):
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"
 
+    @property
+    def storage_label(self) -> str:
+        """`storage_url` as it may be printed or stored: without a password."""
+        return redact_url(self.storage_url)
+
+    @field_serializer("storage")
+    def _redact_storage(self, v: str | None) -> str | None:
+        # Every dump (results.json, best/manifest.json, the model card, the study's own record) leaves
+        # the password out: give it with PGPASSWORD or ~/.pgpass instead.
+        return redact_url(v)
+
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> MergeRecipe:
     return load_yaml_model(path, MergeRecipe, "merge recipe", list(overrides), defaults={"name": Path(path).stem})
@@ -189,9 +210,8 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     from opd.io import state_dict_hash
 
     # absolute: mergekit reads a relative path that is not a directory as a hub model id
-    base_path = Path(recipe.base).resolve()
-    if not (base_path / "config.json").exists():
-        raise OpdError(f"base {base_path}: not a model directory (build it with scripts/build_base.py or set base=)")
+    base_path = require_model_dir(recipe.base, "base", "build it with scripts/build_base.py or set base= to a "
+                                  "model directory").resolve()
     paths = {}
     for e in recipe.experts:
         p = resolve_expert(e).resolve()

@@ -26,6 +26,10 @@ from opd.merge import history
 from opd.merge.interference import interference_matrix, pareto_front, retention, to_records
 from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate, merge_part
 from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
+from opd.paths import check_output, redact_url
+
+# What an existing run directory of a merge recipe holds (one of them at least).
+RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", "opd")
 
 
 class Scorer:
@@ -179,11 +183,17 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
-    storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
+    try:
+        storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
+    except Exception as e:  # a wrong URL, an unreachable server, a refused login
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise OpdError(f"storage {recipe.storage_label}: cannot open the study storage ({type(e).__name__}: "
+                       f"{redact_url(first)}); check the 'storage' URL (a password goes in PGPASSWORD or "
+                       "~/.pgpass, not in the URL)") from None
     summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
     exists = summary is not None
     if exists and not (resume or worker):
-        raise OpdError(f"study {name!r} already exists in {recipe.storage_url}: pass --resume to continue it"
+        raise OpdError(f"study {name!r} already exists in {recipe.storage_label}: pass --resume to continue it"
                        f" or delete {recipe.out_dir} to start over")
     offset = summary.n_trials if exists else 0
     study = optuna.create_study(study_name=name, storage=storage, sampler=make_sampler(recipe, offset),
@@ -192,7 +202,7 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     theirs = study.user_attrs.get("recipe")
     changed = [f for f in SEARCH_FIELDS if theirs and theirs.get(f) != mine[f]]
     if changed:
-        raise OpdError(f"study {name!r} in {recipe.storage_url} was made with other {changed}: "
+        raise OpdError(f"study {name!r} in {recipe.storage_label} was made with other {changed}: "
                        "restore them, or give the recipe another name or out directory")
     if exists and resume and not worker:
         # A killed single-worker run leaves its trial RUNNING forever; it is redone, not kept. An OPD
@@ -369,6 +379,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
 
     torch.set_num_threads(recipe.threads)
     t0 = time.time()
+    check_output(recipe.out_dir, "out", markers=RUN_DIR_MARKERS)
     inputs = load_inputs(recipe)
     for name in recipe.strategies:
         check_inputs(get_strategy(name), len(inputs.expert_paths))
