@@ -24,6 +24,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file, or a directory entry list, to disk: a rename is only durable once both the
+    renamed data and the directory that names it are."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (a temp artifact directory, before its rename)."""
+    for d, _, files in os.walk(root):
+        for f in files:
+            fsync_path(os.path.join(d, f))
+        fsync_path(d)
+
+
 def sweep_stale(final: Path) -> None:
     """Clean up after a process killed inside `atomic_dir` or an atomic file write: drop its temp dirs
     and files, and if it died between the two renames (old moved away, new not yet in place) put the
@@ -51,13 +69,16 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     tmp.chmod(0o755)  # mkdtemp makes it private; an artifact directory is not
     try:
         yield tmp
+        fsync_tree(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             final.rename(old)
             tmp.rename(final)
+            fsync_path(final.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
+            fsync_path(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -80,6 +101,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -90,17 +112,48 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def atomic_torch_save(obj, path: str | os.PathLike) -> None:
+def atomic_torch_save(obj, path: str | os.PathLike, keep_previous: bool = False) -> None:
+    """`keep_previous`: the file being replaced stays as `previous_path(path)`, for `load_checkpoint`
+    to fall back to if the new one turns out unreadable."""
     path = Path(path)
     fd, tmp = _temp_file(path)
     os.close(fd)
     try:
         torch.save(obj, tmp)
+        fsync_path(tmp)
+        if keep_previous and path.exists():
+            os.replace(path, previous_path(path))
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def previous_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def load_checkpoint(path: str | os.PathLike, log=print, safe_globals: list | None = None) -> dict | None:
+    """The newest readable checkpoint of `path` and its previous version (`keep_previous`), or None.
+    A torn or empty file (killed mid-write on a filesystem without ordering, a full disk) is skipped
+    with a one-line warning instead of stopping the run until someone deletes it."""
+    path = Path(path)
+    for p in (path, previous_path(path)):
+        if not p.exists():
+            continue
+        try:
+            with torch.serialization.safe_globals(safe_globals or []):
+                ck = torch.load(p, weights_only=True)
+            if not isinstance(ck, dict):
+                raise TypeError(f"holds a {type(ck).__name__}, not a checkpoint")
+            return ck
+        except Exception as e:  # EOFError, RuntimeError (torn zip), UnpicklingError, ...
+            first = (str(e).strip().splitlines() or [""])[0][:120]
+            fallback = "trying the previous one" if p == path and previous_path(path).exists() else "starting fresh"
+            log(f"warning: checkpoint {p} is unreadable ({type(e).__name__}: {first}); {fallback}")
+    return None
 
 
 def state_dict_hash(model_or_sd) -> str:

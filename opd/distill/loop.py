@@ -171,13 +171,20 @@ def _prev(path: Path) -> Path:
 def resume_checkpoint(path: Path, cfg: DistillConfig, ranks: dict = PLAIN) -> dict | None:
     """This rank's checkpoint to resume from (of this config, up to RESUMABLE_FIELDS), or None.
     With several ranks: the latest step that every rank holds (collective: every rank calls it)."""
+    import sys
+
     found = {}
-    for p in (path, _prev(path)) if ranks["world_size"] > 1 else (path,):
+    for p in (path, _prev(path)):  # one rank keeps no .prev; several fall back to it
         if p.exists():
             try:
                 with torch.serialization.safe_globals(zero_checkpoint_globals() if ranks["deepspeed"] else []):
                     ck = torch.load(p, weights_only=True)
             except pickle.UnpicklingError:  # a DeepSpeed run's checkpoint, read by a plain run
+                continue
+            except Exception as e:  # torn or empty (EOFError, RuntimeError): the .prev one, else a fresh start
+                print(f"warning: checkpoint {p} is unreadable ({type(e).__name__}); "
+                      f"{'trying the previous one' if p == path and _prev(path).exists() else 'starting fresh'}",
+                      file=sys.stderr)
                 continue
             if ck["config"] == _identity(cfg) and ck.get("ranks", PLAIN) == ranks:
                 found[ck["state"]["step"]] = ck

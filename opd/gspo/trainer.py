@@ -23,6 +23,7 @@ from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entr
 from opd.gspo.ds import load_optimizer_state, optimizer_step, rank_path, ranks_min, zero_checkpoint_globals
 from opd.gspo.loss import group_advantages, gspo_loss
 from opd.io import atomic_torch_save
+from opd.io import load_checkpoint as read_checkpoint
 from opd.rollout import SamplingParams, get_engine
 
 
@@ -123,20 +124,17 @@ def _same_size_on_all_ranks(kept: list) -> list:
 def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random, spec: ExpertSpec) -> None:
     atomic_torch_save({"spec": spec.model_dump(mode="json"), "model": model.state_dict(),
                        "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
-                       "torch_rng": torch.get_rng_state()}, path)
+                       "torch_rng": torch.get_rng_state()}, path, keep_previous=True)
 
 
-def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec) -> tuple[RunState, dict] | None:
+def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec, log=print
+                    ) -> tuple[RunState, dict] | None:
     """Restore model and RNGs; the optimizer state is returned, to be loaded once the optimizer
-    is final (a DeepSpeed ZeRO optimizer only exists after `wrap`)."""
-    if not path.exists():
-        return None
-    if spec.deepspeed is not None:  # a ZeRO optimizer's state holds a few DeepSpeed classes
-        with torch.serialization.safe_globals(zero_checkpoint_globals()):
-            ck = torch.load(path, weights_only=True)
-    else:
-        ck = torch.load(path, weights_only=True)
-    if not same_spec(ck["spec"], spec):
+    is final (a DeepSpeed ZeRO optimizer only exists after `wrap`). An unreadable checkpoint falls
+    back to the previous one, then to a fresh start (`opd.io.load_checkpoint`)."""
+    # a ZeRO optimizer's state holds a few DeepSpeed classes
+    ck = read_checkpoint(path, log, zero_checkpoint_globals() if spec.deepspeed is not None else None)
+    if ck is None or not same_spec(ck.get("spec"), spec):
         return None
     model.load_state_dict(ck["model"])
     rng.setstate(ck["rng"])
@@ -160,7 +158,7 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
     rng = prompt_rng(spec, rank)
     torch.manual_seed(spec.seed + rank)
-    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, spec)
+    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, spec, log)
     state, optim_state = loaded if loaded else (None, None)
     if state is None:
         state = RunState(temperature=g.temperature)

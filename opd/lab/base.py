@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
 from opd.errors import OpdError
-from opd.io import atomic_dir, atomic_torch_save, atomic_write_json, state_dict_hash
+from opd.io import atomic_dir, atomic_torch_save, atomic_write_json, load_checkpoint, state_dict_hash
 from opd.lab.data import MixtureStream, encode_sft
 from opd.lab.model import ModelShape, build_model
 from opd.lab.tokenizer import build_char_tokenizer
@@ -102,9 +102,9 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     stream = MixtureStream(spec.mixture, spec.difficulty, seed=spec.seed)
     torch.manual_seed(spec.seed)
     state = {"step": 0, "best": None, "history": [], "elapsed": 0.0}
-    if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=True)
-        if not same_training(ck["spec"], spec):
+    ck = load_checkpoint(ckpt_path, log)
+    if ck is not None:
+        if not same_training(ck.get("spec"), spec):
             raise OpdError(f"{ckpt_path}: checkpoint was made by another spec; delete it to start over")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optim"])
@@ -140,7 +140,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
             state["elapsed"] = time.time() - t0
             atomic_torch_save({"spec": spec.training_fields(), "model": model.state_dict(),
                                "optim": opt.state_dict(), "stream": stream.state(),
-                               "torch_rng": torch.get_rng_state(), "state": state}, ckpt_path)
+                               "torch_rng": torch.get_rng_state(), "state": state}, ckpt_path, keep_previous=True)
     best = state["best"]
     model.load_state_dict(best["model"])
     model.eval()

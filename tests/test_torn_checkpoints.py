@@ -1,0 +1,81 @@
+"""Torn checkpoints (truncated or empty state.pt) of GSPO, OPD and the base: the run falls back to the
+previous checkpoint or starts fresh with a one-line warning; it never stops until someone deletes a file."""
+
+import random
+
+import pytest
+import torch
+
+from opd.expert.spec import ExpertSpec
+from opd.gspo.trainer import RunState, load_checkpoint, save_checkpoint
+from opd.io import atomic_torch_save, previous_path
+from opd.io import load_checkpoint as read_checkpoint
+
+
+def _tear(path, how):
+    data = path.read_bytes()
+    path.write_bytes(b"" if how == "empty" else data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated"])
+def test_io_falls_back_to_previous_then_fresh(tmp_path, how):
+    path = tmp_path / "state.pt"
+    atomic_torch_save({"step": 1}, path, keep_previous=True)
+    atomic_torch_save({"step": 2}, path, keep_previous=True)
+    assert previous_path(path).exists()
+    _tear(path, how)
+    warnings = []
+    assert read_checkpoint(path, warnings.append) == {"step": 1}
+    assert len(warnings) == 1 and "unreadable" in warnings[0] and "\n" not in warnings[0]
+    _tear(previous_path(path), how)
+    warnings.clear()
+    assert read_checkpoint(path, warnings.append) is None
+    assert len(warnings) == 2 and "starting fresh" in warnings[1]
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated"])
+def test_gspo_resumes_from_previous_checkpoint(tmp_path, pico_model, how):
+    spec = ExpertSpec(capability="count", steps=3)
+    opt = torch.optim.AdamW(pico_model.parameters())
+    path = tmp_path / "state.pt"
+    for step in (10, 20):
+        save_checkpoint(path, pico_model, opt, RunState(step=step), random.Random(0), spec)
+    _tear(path, how)
+    warnings = []
+    state, _ = load_checkpoint(path, pico_model, random.Random(0), spec, warnings.append)
+    assert state.step == 10 and len(warnings) == 1
+    _tear(previous_path(path), how)
+    assert load_checkpoint(path, pico_model, random.Random(0), spec, warnings.append) is None  # fresh start
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated"])
+def test_opd_starts_fresh_on_a_torn_checkpoint(tmp_path, how, capsys):
+    from opd.distill.config import DistillConfig
+    from opd.distill.loop import _identity, resume_checkpoint
+
+    cfg = DistillConfig()
+    path = tmp_path / "state.pt"
+    atomic_torch_save({"config": _identity(cfg), "state": {"step": 3}}, path)
+    assert resume_checkpoint(path, cfg)["state"]["step"] == 3
+    _tear(path, how)
+    assert resume_checkpoint(path, cfg) is None
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "unreadable" in err[0] and "starting fresh" in err[0]
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated"])
+def test_base_build_reruns_over_a_torn_checkpoint(tmp_path, how):
+    from opd.lab.base import BaseSpec, build_base
+    from opd.lab.pico import PICO
+
+    spec = BaseSpec(capabilities=["count"], mixture={"count": 1.0}, steps=2, eval_every=1, eval_limit=4,
+                    batch_size=4, warmup=0, shape=PICO, threads=1)
+    out = tmp_path / "runs" / "base"
+    ckpt = out.parent / f".{out.name}.ckpt" / "state.pt"
+    ckpt.parent.mkdir(parents=True)
+    atomic_torch_save({"not": "a checkpoint"}, ckpt)
+    _tear(ckpt, how)
+    logs = []
+    manifest = build_base(spec, out, log=logs.append)
+    assert manifest["kept_step"] in (1, 2) and (out / "config.json").exists()
+    assert sum("unreadable" in m for m in logs) == 1
