@@ -11,6 +11,7 @@ from opd_kernels import selective_log_softmax
 from opd.capabilities import get_capability
 from opd.distill.losses import scatter_tokens
 from opd.distill.routing import Routes
+from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
 from opd.gspo.batch import completion_targets, pad_sequences
 from opd.rollout import SamplingParams
@@ -32,6 +33,10 @@ class OpdBatch:
     row_caps: list[str]  # (B,) capability of each row
     names: list[str]  # (K,) teacher names
     gen_tokens: int
+    # With a TeacherBank: each real token's full-vocabulary target, the normalised geometric mixture
+    # of its teachers (N, V), and its normaliser (N,) (sum_k w_k KL_k = KL(s || target) - log_z).
+    target: torch.Tensor | None = None
+    log_z: torch.Tensor | None = None
 
 
 def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Random, *, prompts: int, group: int,
@@ -47,8 +52,12 @@ def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Rand
 
 @torch.no_grad()
 def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Routes, pad_id: int,
-                kernel_chunk: int = 1024) -> OpdBatch:
-    """Score every student token under each routed teacher and under the student itself."""
+                kernel_chunk: int = 1024, bank: TeacherBank | None = None) -> OpdBatch:
+    """Score every student token under each routed teacher and under the student itself.
+
+    With `bank` (every teacher in process, one architecture) all teachers score in one stacked
+    forward that also yields the full-vocabulary targets; otherwise each teacher's engine scores its
+    rows (an SGLang server, or one in-process forward per teacher)."""
     rollouts = [r for g in groups for r in g]
     row_caps = [it.capability for it, g in zip(items, groups) for _ in g]
     rewards = torch.tensor([[get_capability(it.capability).verify(r.text, it.answer) for r in g]
@@ -63,20 +72,28 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     h = completion_hidden(student, ids, attn, plen, T)[real]  # (N, H)
     old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk), cmask)
     names = sorted({t for ts in routes.values() for t in ts})
-    teacher_lp = torch.zeros(len(names), B, T)
     weights = torch.zeros(len(names), B)
     for k, name in enumerate(names):
-        rows = [b for b, c in enumerate(row_caps) if name in routes.get(c, {})]
-        if not rows:
-            continue
-        scored = teachers[name].engine.score([rollouts[b].prompt_ids for b in rows],
-                                             [rollouts[b].completion_ids for b in rows])
-        for b, lps in zip(rows, scored):
-            teacher_lp[k, b, : len(lps)] = torch.tensor(lps)
-            weights[k, b] = routes[row_caps[b]][name]
-    return OpdBatch(ids, attn, cmask, plen, targets, old_lp, teacher_lp.to(device), weights.to(device),
-                    rewards.to(device), row_caps, names,
-                    gen_tokens=int(cmask.sum()))
+        for b, c in enumerate(row_caps):
+            weights[k, b] = routes.get(c, {}).get(name, 0.0)
+    weights = weights.to(device)
+    target = log_z = None
+    if bank is not None and bank.names == names and bank.fits(int((weights > 0).sum(1).max()), T):
+        target, log_z, teacher_lp = bank.score(ids, attn, plen, targets, weights)
+        teacher_lp = teacher_lp * cmask  # (K, B, T): 0 on padding, as the engines return nothing there
+        target, log_z = target[real], log_z[real]  # (N, V), (N,)
+    else:
+        teacher_lp = torch.zeros(len(names), B, T)
+        for k, name in enumerate(names):
+            rows = weights[k].nonzero().squeeze(1).tolist()
+            if not rows:
+                continue
+            scored = teachers[name].engine.score([rollouts[b].prompt_ids for b in rows],
+                                                 [rollouts[b].completion_ids for b in rows])
+            for b, lps in zip(rows, scored):
+                teacher_lp[k, b, : len(lps)] = torch.tensor(lps)
+    return OpdBatch(ids, attn, cmask, plen, targets, old_lp, teacher_lp.to(device), weights,
+                    rewards.to(device), row_caps, names, gen_tokens=int(cmask.sum()), target=target, log_z=log_z)
 
 
 @torch.no_grad()

@@ -25,7 +25,8 @@ class DistillConfig(BaseModel):
 
     estimator: Estimator = Field("sampled", description="'sampled': per-token advantage -(log pi_s - log pi_t) "
                                  "in the GSPO-token loss; 'full': exact full-vocabulary reverse KL per token")
-    steps: int = Field(50, gt=0, description="rollout batches (one optimizer pass each)")
+    steps: int = Field(50, ge=0, description="rollout batches (one optimizer pass each); 0 with warmstart_steps "
+                       "> 0 is off-policy distillation alone")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="'cosine': decay from lr to lr * lr_min_ratio over `steps` (the last step at the floor)")
@@ -55,6 +56,19 @@ class DistillConfig(BaseModel):
     eval_every: int = Field(0, ge=0, description="steps between retention checks on val (0: only at the end)")
     eval_limit: int | None = Field(50, gt=0, description="val items per capability in a retention check")
     kernel_chunk: int = Field(1024, gt=0, le=16384, description="tokens per chunk in the full-vocabulary kernels")
+    teacher_forward: Literal["stacked", "loop"] = Field(
+        "stacked", description="'stacked': every in-process teacher scores its rows in one vectorised forward "
+        "(torch.func.vmap over stacked weights) that also gives the full estimator's targets; 'loop': one forward "
+        "per teacher, and another for the full estimator (the only way for SGLang teachers, taken automatically)")
+    warmstart_steps: int = Field(0, ge=0, description="supervised steps on verified teacher samples before OPD "
+                                 "(off-policy distillation as a warm start; 0: none)")
+    warmstart_prompts: int = Field(256, gt=0, description="training prompts per capability its teacher samples "
+                                   "for the warm start")
+    warmstart_group: int = Field(4, gt=0, description="teacher samples per warm-start prompt (the verifier keeps "
+                                 "the correct ones)")
+    warmstart_temperature: float = Field(1.0, gt=0, description="teacher sampling temperature for the warm start")
+    warmstart_lr: float = Field(1e-3, gt=0, description="AdamW lr of the warm start (cosine to lr_min_ratio)")
+    warmstart_batch: int = Field(64, gt=0, description="sequences per warm-start step")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -66,6 +80,8 @@ class DistillConfig(BaseModel):
         for cap, teachers in (self.routes or {}).items():
             if not teachers:
                 raise ValueError(f"routes.{cap}: list at least one teacher")
+        if self.steps == 0 and self.warmstart_steps == 0:
+            raise ValueError("steps and warmstart_steps are both 0: nothing to train")
         if self.kl_weight == 0 and self.reward_weight == 0:
             raise ValueError("kl_weight and reward_weight are both 0: nothing to learn from")
         if self.reward_weight > 0 and self.group_size < 2:

@@ -29,7 +29,9 @@ from opd.distill.losses import (
     scatter_tokens,
     sequence_mean_loss,
 )
+from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
 from opd.distill.routing import Routes, prompt_mix
+from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
 from opd.gspo.ds import (
     common_step,
@@ -57,6 +59,11 @@ class DistillState:
     best_min_retention: float = -1.0
     best_step: int = 0
     best_model: dict | None = None
+    # Off-policy warm start: steps done, the verified teacher samples it trains on (kept for a
+    # resume), and the completion tokens it trained on.
+    warm_step: int = 0
+    warm_samples: dict | None = None
+    warm_tokens: int = 0
 
 
 class StudentHidden(torch.nn.Module):
@@ -86,7 +93,7 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
                                                  cmask)
         if cfg.reward_weight > 0:
             adv = reward_mixed_advantages(adv, reward_adv, cfg.reward_weight, cmask)
-    else:
+    elif batch.target is None:  # no stacked teachers: per-teacher hidden states, chunked kernel
         t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
     # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
@@ -98,12 +105,15 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         if cfg.estimator == "sampled":
             loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
             st.pop("kl")  # GSPO's reference-KL penalty is off here; the teacher KLs are logged as kl/<name>
+        elif batch.target is not None:
+            kl, st = _dense_kl(h, W, batch, rows, tok_index[rows][r], cfg.kernel_chunk)
+            loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m), m)
         else:
             kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
             loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m), m)
-            if cfg.reward_weight > 0:
-                pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows], m, cfg.eps_low, cfg.eps_high)
-                loss = loss + cfg.reward_weight * pg
+        if cfg.estimator == "full" and cfg.reward_weight > 0:
+            pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows], m, cfg.eps_low, cfg.eps_high)
+            loss = loss + cfg.reward_weight * pg
         gn = optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
             stats.setdefault(k, []).append(v)
@@ -115,6 +125,19 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
             if served.any():
                 out[f"kl/{name}"] = float(masked_mean(k3_kl(batch.old_lp, batch.teacher_lp[k]), served.float()))
     return out
+
+
+def _dense_kl(h, W, batch: OpdBatch, rows, tok, chunk: int):
+    """sum_k w_k KL(pi_s || pi_k) per real token of `rows` (n,) from the batch's precomputed mixed
+    targets (one kernel call for all teachers), and each teacher's mean KL over the tokens it serves."""
+    kl = reverse_kl(h, W, teacher_logits=batch.target[tok], chunk_size=chunk) - batch.log_z[tok]  # (n,)
+    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
+    st = {}
+    for k, name in enumerate(batch.names):
+        served = batch.weights[k, row_of_tok] > 0
+        if served.any():
+            st[f"kl/{name}"] = float(kl.detach()[served].mean())
+    return kl, st
 
 
 def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
@@ -137,6 +160,31 @@ def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
 # (e.g. more steps to extend it; not under a cosine schedule, whose every lr depends on `steps`).
 RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit"}
+
+
+def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix, rng, state: DistillState,
+                pad_id: int, save, log, t0: float, rank: int) -> None:
+    """Off-policy distillation before OPD: supervised steps on verified teacher samples (see
+    opd.distill.offpolicy), checkpointed every `checkpoint_every * 5` steps through `save()`."""
+    if state.warm_samples is None:
+        state.warm_samples = verified_samples(teachers, routes, rng, prompts=cfg.warmstart_prompts,
+                                              group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
+                                              seed=cfg.seed + rank)
+        log("warm start: verified teacher samples " + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
+    policy.train()
+    while state.warm_step < cfg.warmstart_steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
+        batch = sample_sft_batch(state.warm_samples, mix, rng, cfg.warmstart_batch)
+        loss, n_tok = sft_loss(policy, batch, pad_id, cfg.kernel_chunk)
+        optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
+        state.warm_step += 1
+        state.warm_tokens += n_tok
+        state.elapsed = time.time() - t0
+        if state.warm_step % 50 == 0 or state.warm_step == cfg.warmstart_steps:
+            log(f"warm start step {state.warm_step}/{cfg.warmstart_steps}: loss {float(loss.detach()):.4f}")
+        if state.warm_step % (cfg.checkpoint_every * 5) == 0:
+            save()
 
 
 def _identity(cfg: DistillConfig) -> dict:
@@ -259,12 +307,38 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         load_optimizer_state(opt, optim_state)
     engine = get_engine("embedded", model=student, tokenizer=tokenizer)
     t0 = time.time() - state.elapsed
+    routed = sorted({t for ts in routes.values() for t in ts})
+    bank = None
+    if cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
+        bank = TeacherBank(teachers, routed)
+
+    def check(rec: dict) -> None:  # a retention check on val; keeps the best student
+        scores = _shared(evaluate_fn(student) if rank == 0 else None, world)
+        rec.update(retention_record(scores, references or {}))
+        student.train()
+        if rec.get("min_retention", -1.0) > state.best_min_retention:
+            state.best_min_retention, state.best_step = rec["min_retention"], state.step
+            state.best_model = {k: v.detach().clone() for k, v in student.state_dict().items()}
+
+    if state.warm_step < cfg.warmstart_steps:
+        _warm_start(cfg, policy, opt, backward, teachers, routes, mix, rng, state, tokenizer.pad_token_id,
+                    lambda: save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks) if ckpt_path else None,
+                    log, t0, rank)
+        rec = {"step": 0, "phase": "warmstart", "warm_tokens": state.warm_tokens, "gen_tokens": 0}
+        if evaluate_fn is not None:
+            check(rec)
+            log(f"warm start done: min retention {rec['min_retention']:.3f}")
+        state.history.append(rec)
+        if backward is None:
+            opt.state.clear()  # OPD starts with fresh Adam moments (the SFT gradients' scale differs)
+        if ckpt_path:
+            save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
     while state.step < cfg.steps:
         step_mix = adapted_mix(mix, state.history, cfg.adaptive_mix)
         items, groups = sample_batch(engine, routes, step_mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                      seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
-        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk)
+        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank)
         for g in opt.param_groups:
             g["lr"] = step_lr(cfg, state.step)
         rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
@@ -277,12 +351,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         rec["gen_tokens"] = state.gen_tokens
         last = state.step == cfg.steps
         if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
-            scores = _shared(evaluate_fn(student) if rank == 0 else None, world)
-            rec.update(retention_record(scores, references or {}))
-            student.train()
-            if rec.get("min_retention", -1.0) > state.best_min_retention:
-                state.best_min_retention, state.best_step = rec["min_retention"], state.step
-                state.best_model = {k: v.detach().clone() for k, v in student.state_dict().items()}
+            check(rec)
         state.elapsed = time.time() - t0
         state.history.append(rec)
         kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))

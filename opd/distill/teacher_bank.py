@@ -1,0 +1,120 @@
+"""All in-process teachers as one stacked model: a single vectorised forward scores every row under
+its routed teachers, instead of one forward per teacher for the sampled log-probs and another for
+the full estimator's hidden states.
+
+The teachers share one architecture (they are experts of one base), so their decoder weights stack
+into (K, ...) tensors and `torch.func.vmap` over `functional_call` runs all K at once. Rows are
+grouped by teacher and padded to the largest group, R rows each: the forward is (K, R, L).
+The result is each row's *mixed* full-vocabulary target, log-softmax(sum_k w_kb log pi_k), which
+gives sum_k w_k KL(pi_s || pi_k) up to a per-token constant (logged back, never differentiated).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.func import functional_call, stack_module_state, vmap
+
+from opd.distill.teachers import Teacher, lm_head_weight
+from opd.errors import OpdError
+
+# Beyond this many bytes of (K, R, T, V) teacher log-probs the loop falls back to per-teacher
+# hidden states and the chunked kernel (a real vocabulary of 150k makes the dense targets too big).
+DENSE_BUDGET = 512 * 2**20
+
+
+def check_same_architecture(teachers: dict[str, Teacher], student=None) -> None:
+    """Refuse teachers (and a student) that do not share one architecture and vocabulary: one line
+    naming the first teacher that differs and how."""
+    models = {n: t.model for n, t in teachers.items() if t.model is not None}
+    if student is not None:
+        models = {"<student>": student, **models}
+    if len(models) < 2:
+        return
+    ref_name, ref = next(iter(models.items()))
+    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    for name, m in models.items():
+        if m.config.model_type != ref.config.model_type:
+            raise OpdError(f"teacher {name!r}: architecture {m.config.model_type} differs from {ref_name}'s "
+                           f"{ref.config.model_type}; OPD teachers must share the student's architecture")
+        shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        if shapes != ref_shapes:
+            diff = sorted(set(shapes.items()) ^ set(ref_shapes.items()))[0]
+            what = "vocabulary" if "embed" in diff[0] or "lm_head" in diff[0] else "shape"
+            raise OpdError(f"teacher {name!r}: its {what} differs from {ref_name}'s ({diff[0]} "
+                           f"{shapes.get(diff[0])} vs {ref_shapes.get(diff[0])}); OPD teachers must share the "
+                           "student's architecture and vocabulary")
+
+
+class TeacherBank:
+    """The teachers `names` (all in process, one architecture) as stacked weights."""
+
+    def __init__(self, teachers: dict[str, Teacher], names: list[str]):
+        models = [teachers[n].model for n in names]
+        if any(m is None for m in models):
+            raise ValueError("TeacherBank needs every teacher in process")
+        check_same_architecture({n: teachers[n] for n in names})
+        decoders = [m.get_decoder() for m in models]
+        params, buffers = stack_module_state(decoders)  # name -> (K, ...)
+        self.params = {k: v.detach() for k, v in params.items()}
+        self.buffers = buffers
+        self.heads = torch.stack([lm_head_weight(m).detach() for m in models])  # (K, V, H)
+        skeleton = copy.deepcopy(decoders[0]).to("meta")
+        # sdpa has no vmap batching rule on CPU (a slow per-sample fallback); eager attention is plain
+        # matmuls and a softmax, which vmap batches.
+        skeleton.config._attn_implementation = "eager"
+        self.skeleton = skeleton
+        self.names = list(names)
+
+    def fits(self, rows_per_teacher: int, T: int) -> bool:
+        K, V, _ = self.heads.shape
+        return K * rows_per_teacher * T * V * 4 <= DENSE_BUDGET
+
+    def _hidden(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """(K, R, L) right-padded rows, row r of slice k for teacher k -> final hidden states (K, R, L, H)."""
+        L = ids.shape[-1]
+        causal = torch.tril(torch.ones(L, L, dtype=torch.bool, device=ids.device))
+        allowed = causal & attn.bool()[..., None, None, :]  # (K, R, 1, L, L)
+        mask = torch.zeros(allowed.shape, dtype=self.heads.dtype, device=ids.device)
+        mask.masked_fill_(~allowed, torch.finfo(mask.dtype).min)  # additive, as eager attention adds it
+        pos = torch.arange(L, device=ids.device).expand(ids.shape)  # right padding: positions 0..len-1
+
+        def one(p, b, i, m, ps):
+            return functional_call(self.skeleton, (p, b), (), {"input_ids": i, "attention_mask": m,
+                                                               "position_ids": ps}).last_hidden_state
+
+        return vmap(one)(self.params, self.buffers, ids, mask, pos)
+
+    @torch.no_grad()
+    def score(self, ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, targets: torch.Tensor,
+              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every routed (teacher, row) pair in one forward.
+
+        ids, attn: (B, L) right-padded prompt+completion; plen: (B,); targets: (B, T) sampled tokens;
+        weights: (K, B) teacher k's share of row b (columns sum to 1, 0 where unrouted).
+        Returns target (B, T, V) log-probs of the normalised geometric mixture, log_z (B, T) its
+        normaliser (sum_k w_k KL_k = KL(s || target) - log_z), and teacher_lp (K, B, T) each
+        teacher's log-prob of the sampled token (0 where unrouted).
+        """
+        K, B = weights.shape
+        T = targets.shape[1]
+        pair_k, pair_b = weights.nonzero(as_tuple=True)  # (P,) each
+        counts = torch.bincount(pair_k, minlength=K)
+        R = int(counts.max())
+        # slot of each pair within its teacher's group: rank among the pairs of the same teacher
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(len(pair_k), device=weights.device) - starts[pair_k]
+        rows = torch.zeros(K, R, dtype=torch.long, device=ids.device)  # padding slots re-run row 0
+        rows[pair_k, slot] = pair_b
+        h = self._hidden(ids[rows], attn[rows])  # (K, R, L, H)
+        pos = (plen[rows][..., None] - 1 + torch.arange(T, device=ids.device)).clamp(max=ids.shape[1] - 1)  # (K, R, T)
+        hc = h.gather(2, pos[..., None].expand(-1, -1, -1, h.shape[-1]))  # (K, R, T, H)
+        lp = torch.log_softmax(torch.einsum("krth,kvh->krtv", hc.float(), self.heads.float()), -1)  # (K, R, T, V)
+        lp_pairs = lp[pair_k, slot]  # (P, T, V)
+        mixed = torch.zeros(B, T, lp.shape[-1], device=lp.device)
+        mixed.index_add_(0, pair_b, weights[pair_k, pair_b][:, None, None] * lp_pairs)
+        log_z = torch.logsumexp(mixed, -1)  # (B, T): 0 for a row with one teacher
+        teacher_lp = torch.zeros(K, B, T, device=lp.device)
+        teacher_lp[pair_k, pair_b] = lp_pairs.gather(-1, targets[pair_b][..., None])[..., 0]
+        return mixed - log_z[..., None], log_z, teacher_lp

@@ -1,0 +1,181 @@
+"""The stacked teacher forward, the dense full-vocabulary targets and the off-policy warm start."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from opd.distill.batch import build_batch, teacher_hidden
+from opd.distill.config import DistillConfig
+from opd.distill.loop import _full_kl, distill
+from opd.distill.offpolicy import verified_samples
+from opd.distill.routing import resolve_routes
+from opd.distill.teacher_bank import TeacherBank, check_same_architecture
+from opd.distill.teachers import completion_hidden, embedded_teacher, lm_head_weight
+from opd.errors import OpdError
+from opd.gspo.batch import completion_targets, pad_sequences
+from opd.lab.model import ModelShape, build_model
+from opd.lab.pico import PICO
+from opd.rollout import Rollout
+
+
+def _teachers(model, tok, n=3, scale=0.05):
+    torch.manual_seed(1)
+    out = {}
+    for i, cap in enumerate(["count", "rev", "sort"][:n]):
+        m = copy.deepcopy(model)
+        for p in m.parameters():
+            p.data += scale * torch.randn_like(p)
+        out[f"t{i}"] = embedded_teacher(f"t{i}", cap, m, tok)
+    return out
+
+
+def test_stacked_forward_matches_each_teacher_alone(pico_model, tokenizer):
+    teachers = _teachers(pico_model, tokenizer)
+    names = sorted(teachers)
+    P = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [5, 5]]
+    C = [[14, 15], [16], [17, 18, 19], [20]]
+    ids, attn, cmask, plen = pad_sequences(P, C, tokenizer.pad_token_id)
+    T = cmask.shape[1]
+    targets = completion_targets(ids, plen, T)
+    # rows 0 and 2 each have one teacher; row 1 mixes t0 and t1 half and half; row 3 is t2's
+    w = torch.tensor([[1.0, 0.5, 0, 0], [0, 0.5, 1.0, 0], [0, 0, 0, 1.0]])
+    target, log_z, tlp = TeacherBank(teachers, names).score(ids, attn, plen, targets, w)
+    ref = torch.stack([torch.log_softmax(completion_hidden(teachers[n].model, ids, attn, plen, T)
+                                         @ lm_head_weight(teachers[n].model).T, -1) for n in names])  # (K, B, T, V)
+    geo = (w[:, :, None, None] * ref).sum(0)
+    real = cmask.bool()
+    torch.testing.assert_close(target[real], (geo - torch.logsumexp(geo, -1, keepdim=True))[real], atol=1e-5, rtol=0)
+    # one teacher: nothing to normalise; two: log_z < 0 (Hoelder), so sum_k w_k KL_k = KL(s||target) - log_z >= it
+    assert float(log_z[0].abs().max()) < 1e-5 and bool((log_z[1, :1] < 0).all())
+    for k, n in enumerate(names):
+        scored = teachers[n].engine.score(P, C)
+        for b in range(4):
+            if w[k, b] > 0:
+                torch.testing.assert_close(tlp[k, b, : len(C[b])], torch.tensor(scored[b]), atol=1e-5, rtol=0)
+
+
+def test_dense_and_loop_kl_agree_on_a_mixed_batch(pico_model, tokenizer):
+    """The stacked path's per-token loss equals sum_k w_k KL(pi_s || pi_k) from the per-teacher path."""
+    teachers = _teachers(pico_model, tokenizer)
+    routes = resolve_routes({n: t.capability for n, t in teachers.items()})
+    routes["count"] = {"t0": 0.5, "t1": 0.5}
+    items = [type("I", (), {"capability": c, "answer": "x"}) for c in ["count", "rev", "sort"]]
+    groups = [[Rollout("p", [5, 6, 7], [14, 15], "ab", [0.0, 0.0])], [Rollout("p", [8, 9], [16], "a", [0.0])],
+              [Rollout("p", [10, 11], [17, 18, 19], "abc", [0.0] * 3)]]
+    student = pico_model
+    loop = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id)
+    dense = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id,
+                        bank=TeacherBank(teachers, sorted(teachers)))
+    assert loop.target is None and dense.target is not None
+    torch.testing.assert_close(loop.teacher_lp, dense.teacher_lp, atol=1e-5, rtol=0)
+    rows = torch.arange(3)
+    real = loop.cmask.bool()
+    h = completion_hidden(student, loop.ids, loop.attn, loop.plen, loop.cmask.shape[1])[real]
+    W = lm_head_weight(student)
+    tok = torch.arange(int(real.sum()))
+    kl_loop, _ = _full_kl(h, W, loop, rows, tok, teacher_hidden(loop, teachers), teachers, 1024)
+    from opd.distill.loop import _dense_kl
+
+    kl_dense, st = _dense_kl(h, W, dense, rows, tok, 1024)
+    torch.testing.assert_close(kl_dense, kl_loop, atol=1e-5, rtol=1e-4)
+    assert set(st) == {"kl/t0", "kl/t1", "kl/t2"}
+
+
+def test_teachers_of_another_architecture_are_refused(pico_model, tokenizer):
+    teachers = _teachers(pico_model, tokenizer, n=1)
+    wider = build_model(ModelShape(**{**PICO.model_dump(), "intermediate_size": 96}), tokenizer, seed=0)
+    teachers["wide"] = embedded_teacher("wide", "rev", wider, tokenizer)
+    with pytest.raises(OpdError, match="teacher 'wide'.*shape"):
+        check_same_architecture(teachers)
+
+
+def test_verified_samples_keep_only_what_the_verifier_accepts(trained_pico_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from opd.capabilities import get_capability
+
+    teacher = embedded_teacher("count", "count", AutoModelForCausalLM.from_pretrained(trained_pico_dir), tokenizer)
+    routes = resolve_routes({"count": "count"})
+    out = verified_samples({"count": teacher}, routes, random.Random(0), prompts=32, group=4, temperature=1.0, seed=0)
+    assert 0 < len(out["count"]) <= 128
+    cap = get_capability("count")
+    for p, c in out["count"]:
+        prompt = tokenizer.decode(p)
+        answer = cap.solve(prompt) if hasattr(cap, "solve") else None
+        text = tokenizer.decode(c)
+        if answer is not None:
+            assert cap.verify(text, answer) == 1.0
+    assert len(set(map(lambda pc: (tuple(pc[0]), tuple(pc[1])), out["count"]))) == len(out["count"])
+
+
+def test_warm_start_then_opd_lowers_kl_and_resumes(tmp_path, trained_pico_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+    routes = resolve_routes({"count": "count"})
+    cfg = DistillConfig(estimator="full", steps=3, prompts_per_step=4, group_size=1, warmstart_steps=20,
+                        warmstart_prompts=32, warmstart_lr=3e-3, warmstart_batch=16, checkpoint_every=2)
+    evals = []
+    scores = iter([0.2, 0.5, 0.4])
+
+    def evaluate(m):
+        evals.append(1)
+        return {"count": next(scores)}
+
+    student = build_model(PICO, tokenizer, seed=0)
+    state = distill(cfg, student, tokenizer, teachers, routes, tmp_path / "state.pt", evaluate_fn=evaluate,
+                    references={"count": 0.5}, log=lambda *_: None)
+    warm = state.history[0]
+    assert warm["phase"] == "warmstart" and warm["warm_tokens"] > 0 and state.warm_step == 20
+    assert state.best_step == 0 or state.best_min_retention == pytest.approx(1.0)
+    assert [r["step"] for r in state.history] == [0, 1, 2, 3]
+    # off-policy alone: steps 0
+    alone = build_model(PICO, tokenizer, seed=0)
+    before = {k: v.clone() for k, v in alone.state_dict().items()}
+    st2 = distill(cfg.model_copy(update={"steps": 0}), alone, tokenizer, teachers, routes, log=lambda *_: None)
+    assert st2.step == 0 and st2.warm_step == 20
+    assert any(not torch.equal(before[k], v) for k, v in alone.state_dict().items())
+
+
+def test_steps_and_warmstart_both_zero_is_refused():
+    with pytest.raises(ValueError, match="nothing to train"):
+        DistillConfig(steps=0)
+
+
+def test_warm_start_killed_midway_resumes_to_the_same_weights(tmp_path, trained_pico_dir, tokenizer, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import opd.distill.loop as loop
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+    routes = resolve_routes({"count": "count"})
+    cfg = DistillConfig(estimator="full", steps=2, prompts_per_step=4, group_size=1, warmstart_steps=20,
+                        warmstart_prompts=16, warmstart_batch=8, checkpoint_every=2)  # warm checkpoints every 10
+    whole = build_model(PICO, tokenizer, seed=0)
+    distill(cfg, whole, tokenizer, teachers, routes, tmp_path / "a.pt", log=lambda *_: None)
+
+    real, calls = loop.sft_loss, []
+
+    def dies_at_15(*a, **k):
+        calls.append(1)
+        if len(calls) == 15:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "sft_loss", dies_at_15)
+    killed = build_model(PICO, tokenizer, seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, killed, tokenizer, teachers, routes, tmp_path / "b.pt", log=lambda *_: None)
+    monkeypatch.setattr(loop, "sft_loss", real)
+    logs = []
+    resumed = build_model(PICO, tokenizer, seed=0)
+    distill(cfg, resumed, tokenizer, teachers, routes, tmp_path / "b.pt", log=logs.append)
+    assert "resuming distillation at step 0" in logs and not any("verified teacher samples" in m for m in logs)
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)
