@@ -14,6 +14,7 @@ from opd.gspo.loss import (
     k3_kl,
     masked_mean,
     sequence_log_ratio,
+    truncated_is_weights,
 )
 
 
@@ -147,3 +148,71 @@ def test_helpers():
     ent = entropy_from_logits(torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]))
     torch.testing.assert_close(ent, torch.tensor([math.log(4), 0.0]), atol=1e-5, rtol=0)
     assert masked_mean(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0])).item() == 2.0
+
+
+def test_truncated_is_weights_by_hand():
+    # Sequence 0: the trainer gives both tokens 0.5 more log-prob than the engine, r = e^0.5 = 1.6487,
+    # cut to the cap 1.5. Sequence 1: one real token, 0.5x as likely for the trainer, r = 0.5; its
+    # padded second token (engine -9) is ignored.
+    trainer = torch.tensor([[-1.0, -2.0], [-0.5 - math.log(2), 0.0]])
+    engine = torch.tensor([[-1.5, -2.5], [-0.5, -9.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    w, st = truncated_is_weights(trainer, engine, mask, cap=1.5)
+    torch.testing.assert_close(w, torch.tensor([1.5, 0.5]))
+    assert st["engine_ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
+    assert st["engine_ratio_min"] == pytest.approx(0.5, rel=1e-6)
+    assert st["engine_ratio_mean"] == pytest.approx((math.exp(0.5) + 0.5) / 2, rel=1e-6)
+    # Quantiles interpolate linearly between the two sorted ratios 0.5 and e^0.5.
+    assert st["engine_ratio_p50"] == pytest.approx((0.5 + math.exp(0.5)) / 2, rel=1e-6)
+    assert st["engine_ratio_p10"] == pytest.approx(0.5 + 0.1 * (math.exp(0.5) - 0.5), rel=1e-6)
+    assert st["tis_truncated"] == 0.5
+    # Token level: per-token ratios e^0.5, e^0.5, 0.5 over the masked tokens.
+    w_tok, st_tok = truncated_is_weights(trainer, engine, mask, cap=1.5, level="token")
+    torch.testing.assert_close(w_tok[mask.bool()], torch.tensor([1.5, 1.5, 0.5]))
+    assert st_tok["tis_truncated"] == pytest.approx(2 / 3)
+    # cap None (the default setting): no weights, the distribution is still reported.
+    w_none, st_none = truncated_is_weights(trainer, engine, mask, cap=None)
+    assert w_none is None and st_none["engine_ratio_min"] == pytest.approx(0.5, rel=1e-6)
+
+
+def test_gspo_loss_with_is_weights_by_hand():
+    # On-policy (s = 1), advantages +1 and -1: unweighted the terms cancel, loss 0. Weighted by
+    # 1.5 and 0.5: loss = -(1.5 * 1 + 0.5 * -1) / 2 = -0.5, and d/d logp_new of sequence 0's single
+    # token is -(1/B) * w * A * s / T = -(1/2) * 1.5 = -0.75.
+    new = torch.zeros(2, 1, requires_grad=True)
+    old, mask, adv = torch.zeros(2, 1), torch.ones(2, 1), torch.tensor([1.0, -1.0])
+    assert gspo_loss(new, old, adv, mask)[0].item() == pytest.approx(0.0)
+    loss, _ = gspo_loss(new, old, adv, mask, is_weights=torch.tensor([1.5, 0.5]))
+    assert loss.item() == pytest.approx(-0.5)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-0.75], [0.25]]))
+    tok, _ = gspo_loss(new, old, adv, mask, level="token", is_weights=torch.tensor([[1.5], [0.5]]))
+    assert tok.item() == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="is_weights of shape"):
+        gspo_loss(new, old, adv, mask, is_weights=torch.ones(2, 1))
+
+
+def test_gspo_step_logs_engine_ratio_and_applies_tis(pico_model):
+    # Engine log-probs 0.5 below the trainer's on every token: r = e^0.5 everywhere, cut to 1.2.
+    import pydantic
+
+    from opd.expert.spec import ExpertSpec
+    from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_logprobs
+    from opd.gspo.trainer import gspo_step
+    from opd.rollout import Rollout
+
+    prompts, completions = [[5, 6], [7]], [[8, 9], [10], [11, 12], [13]]
+    batch = group_rollouts([prompts[i // 2] for i in range(4)], completions, pad_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(grouped_completion_logits(pico_model, batch), batch.completion_ids)  # (4, Tc)
+    rollouts = [Rollout("p", prompts[i // 2], c, "t", [float(x) - 0.5 for x in lp[i, : len(c)]])
+                for i, c in enumerate(completions)]
+    kept = [(rollouts[:2], [1.0, 0.0]), (rollouts[2:], [0.0, 1.0])]
+    spec = ExpertSpec(capability="add", gspo={"updates_per_batch": 1, "tis_cap": 1.2})
+    opt = torch.optim.SGD(pico_model.parameters(), lr=0.0)
+    out = gspo_step(pico_model, opt, None, kept, spec, pad_id=0)
+    assert out["engine_ratio_min"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert out["engine_ratio_p90"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert out["tis_truncated"] == 1.0
+    with pytest.raises(pydantic.ValidationError, match="tis_cap needs recompute_old_logprobs"):
+        ExpertSpec(capability="add", gspo={"tis_cap": 2.0, "recompute_old_logprobs": False})

@@ -33,6 +33,15 @@ class GSPOConfig(BaseModel):
     max_resample: int = Field(2, ge=0, description="extra rollout rounds allowed per step to reach min_informative")
     grad_clip: float = Field(1.0, gt=0)
     recompute_old_logprobs: bool = Field(True, description="old logprobs from the trainer, not the engine (engine mismatch is logged)")
+    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling: weight each sample by "
+                                  "min(pi_trainer / pi_engine, tis_cap) (GSPO-token: each token); None = off")
+
+    @model_validator(mode="after")
+    def _check_tis(self):
+        if self.tis_cap is not None and not self.recompute_old_logprobs:
+            raise ValueError("tis_cap needs recompute_old_logprobs: true (the clip uses the trainer's old "
+                             "logprobs, the engine's enter only through the TIS weight)")
+        return self
 
 
 class ExpertSpec(BaseModel):

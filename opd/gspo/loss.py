@@ -63,6 +63,44 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def truncated_is_weights(
+    logp_trainer: torch.Tensor,
+    logp_engine: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float | None,
+    level: Level = "sequence",
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Truncated importance sampling (TIS, Yao et al. 2025) for the rollout engine's numerics: samples
+    come from the engine's pi_e, the objective is written for the trainer's pi_t, so each sample is
+    weighted by w = min(pi_t / pi_e, cap). No gradient flows through w.
+
+    logp_trainer, logp_engine, mask: (B, T) log-probs of the sampled tokens under the trainer's copy of
+    the sampling policy and as the engine reported them. level="sequence": r_i = exp(mean_t(logp_trainer
+    - logp_engine)), length-normalised like GSPO's ratio -> w (B,); level="token": r_it = exp(logp_trainer
+    - logp_engine) -> w (B, T). cap None: no weights (None), only the stats.
+
+    Returns (w, stats): the distribution of r over sequences (token level: over masked tokens) as
+    engine_ratio_mean/min/max/p10/p50/p90, and tis_truncated, the share of r above cap.
+    """
+    with torch.no_grad():
+        diff = (logp_trainer - logp_engine).float()
+        if level == "sequence":
+            r = torch.exp(masked_mean(diff, mask, dim=1))  # (B,)
+            values = r
+        else:
+            r = torch.exp(diff)  # (B, T)
+            values = r[mask.bool()]
+        if values.numel() == 0:
+            values = torch.ones(1, device=values.device)
+        q = torch.quantile(values, torch.tensor([0.1, 0.5, 0.9], device=values.device))
+        stats = {"engine_ratio_mean": values.mean().item(), "engine_ratio_min": values.min().item(),
+                 "engine_ratio_max": values.max().item(), "engine_ratio_p10": q[0].item(),
+                 "engine_ratio_p50": q[1].item(), "engine_ratio_p90": q[2].item(),
+                 "tis_truncated": (values > cap).float().mean().item() if cap is not None else 0.0}
+        weights = torch.clamp(r, max=cap).to(logp_trainer.dtype) if cap is not None else None
+    return weights, stats
+
+
 def gspo_loss(
     logp_new: torch.Tensor,
     logp_old: torch.Tensor,
@@ -73,6 +111,7 @@ def gspo_loss(
     level: Level = "sequence",
     kl_coef: float = 0.0,
     logp_ref: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GSPO objective, negated for minimisation.
 
@@ -89,6 +128,8 @@ def gspo_loss(
     are averaged over each sequence's tokens, then over sequences: with A constant within a sequence
     this equals the sequence level in value and gradient.
     kl_coef > 0 adds kl_coef * mean_i mean_t k3(new, ref).
+    is_weights: (B,), or (B, T) at the token level, multiplies each clipped term (no gradient), e.g.
+    the truncated importance weights of `truncated_is_weights`.
 
     Returns (loss scalar, stats) with stats: ratio_mean/min/max (of s_i over sequences),
     clip_fraction (share of sequences, token level: of tokens averaged per sequence, where the clip
@@ -106,6 +147,10 @@ def gspo_loss(
             raise ValueError(f"sequence-level GSPO needs advantages of shape (B,), got {tuple(advantages.shape)}")
         adv = advantages.to(s.dtype)
         obj = torch.minimum(s * adv, torch.clamp(s, lo, hi) * adv)  # (B,)
+        if is_weights is not None:
+            if is_weights.dim() != 1:
+                raise ValueError(f"sequence-level GSPO needs is_weights of shape (B,), got {tuple(is_weights.shape)}")
+            obj = obj * is_weights.detach()
         policy_loss = -obj.mean()
         clipped = ((adv > 0) & (s > hi)) | ((adv < 0) & (s < lo))  # (B,)
         clip_fraction = clipped.float().mean()
@@ -115,6 +160,9 @@ def gspo_loss(
             adv = adv[:, None].expand_as(logp_new)  # (B, T)
         s_tok = torch.exp(log_s.detach()[:, None] + logp_new - logp_new.detach())  # (B, T), value s_i
         obj = torch.minimum(s_tok * adv, torch.clamp(s_tok, lo, hi) * adv)  # (B, T)
+        if is_weights is not None:
+            w = is_weights.detach()
+            obj = obj * (w[:, None] if w.dim() == 1 else w)
         policy_loss = -masked_mean(obj, mask, dim=1).mean()
         clipped = ((adv > 0) & (s_tok > hi)) | ((adv < 0) & (s_tok < lo))  # (B, T)
         clip_fraction = masked_mean(clipped.to(mask.dtype), mask, dim=1).mean()

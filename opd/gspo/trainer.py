@@ -21,7 +21,7 @@ from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
 from opd.gspo.ds import load_optimizer_state, optimizer_step, rank_path, ranks_min, zero_checkpoint_globals
-from opd.gspo.loss import group_advantages, gspo_loss
+from opd.gspo.loss import group_advantages, gspo_loss, truncated_is_weights
 from opd.io import atomic_torch_save
 from opd.io import load_checkpoint as read_checkpoint
 from opd.rollout import SamplingParams, get_engine
@@ -84,6 +84,7 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
         ref_lp = token_logprobs(grouped_completion_logits(ref_model, batch), targets) \
             if ref_model is not None else None
     old_lp = None if g.recompute_old_logprobs else engine_lp
+    is_w, engine_stats = None, {}
     stats: dict[str, list[float]] = {}
     for chunk in torch.arange(len(rollouts)).chunk(g.updates_per_batch):
         if old_lp is None:
@@ -93,12 +94,15 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
             new_lp = token_logprobs(logits, targets)
             old_lp = new_lp.detach()
             logits, new_lp = logits[chunk], new_lp[chunk]
+            # The trainer's old policy against the engine's: logged, and with tis_cap the TIS weight.
+            is_w, engine_stats = truncated_is_weights(old_lp, engine_lp, cmask, g.tis_cap, g.level)
         else:
             logits = grouped_completion_logits(model, batch, chunk)  # (b, Tc, V)
             new_lp = token_logprobs(logits, targets[chunk])
         loss, st = gspo_loss(new_lp, old_lp[chunk], adv[chunk], cmask[chunk], g.eps_low, g.eps_high,
                              level=g.level, kl_coef=g.kl_coef,
-                             logp_ref=ref_lp[chunk] if ref_lp is not None else None)
+                             logp_ref=ref_lp[chunk] if ref_lp is not None else None,
+                             is_weights=is_w[chunk] if is_w is not None else None)
         gn = optimizer_step(loss, opt, model.parameters(), g.grad_clip, backward)
         with torch.no_grad():
             ent = (token_entropy(logits) * cmask[chunk]).sum() / cmask[chunk].sum()
@@ -106,7 +110,7 @@ def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backwa
             stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     mismatch = ((old_lp - engine_lp).abs() * cmask).sum() / cmask.sum()
-    out.update(reward=float(rewards.mean()), logprob_mismatch=float(mismatch),
+    out.update(engine_stats, reward=float(rewards.mean()), logprob_mismatch=float(mismatch),
                trained_tokens=float(cmask.sum()) * g.updates_per_batch)
     return out
 
