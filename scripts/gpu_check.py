@@ -85,4 +85,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from opd.errors import OpdError
+
+    try:
+        sys.exit(main())
+    except OpdError as e:  # the client's errors are one line: print it as the step's verdict
+        print(f"FAIL sglang smoke: {e}")
+        sys.exit(1)

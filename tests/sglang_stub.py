@@ -88,8 +88,9 @@ class Stub:
                 start = len(ids) if sp.get("max_new_tokens", 128) == 0 else len(ids) - 1
             if start >= len(ids) and sp.get("max_new_tokens", 128) != 0:
                 # scheduler.py handle_generate_request (0.5.3-0.5.6): `not req.is_prefill_only and
-                # req.logprob_start_len >= len(req.origin_input_ids)` aborts the request; the abort
-                # fails the whole batch with 400 (tokenizer_manager.py, http_server.py generate_request).
+                # req.logprob_start_len >= len(req.origin_input_ids)` aborts the request (0.5.23: `>`);
+                # `_wait_one_response` in tokenizer_manager.py raises on a 400 abort, which fails the
+                # batch's asyncio.gather, so the whole batch answers 400 (http_server.py generate_request).
                 return 400, {"error": {"message": f"req.logprob_start_len={start} is higher than the number of "
                                                   f"input tokens len(req.origin_input_ids)={len(ids)}. "
                                                   "Please use a smaller logprob_start_len."}}

@@ -20,8 +20,8 @@ c after a prompt p is scored with k = len(p) - 1, keeping the last len(c) entrie
 always holds then, which older servers require of every input (else HTTP 400 for the whole batch).
 
 Output log-probs: SGLang reports the log-prob of the distribution it sampled from (after temperature
-and top-p) unless the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (before 0.5.6:
-RETURN_ORIGINAL_LOGPROB=1); `launch_server` sets both, so that, as with the embedded engine,
+and top-p) unless the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (read by 0.5.6 and later;
+0.5.3 reads RETURN_ORIGINAL_LOGPROB=1); `launch_server` sets both, so that, as with the embedded engine,
 log-probs are the model's temperature-1 log-softmax. Input log-probs are always at temperature 1.
 SamplingParams.seed is not sent: SGLang's batched sampling is not reproducible per request, so seeded
 determinism is an embedded-engine property.
@@ -51,7 +51,7 @@ from pathlib import Path
 from opd.errors import OpdError
 from opd.rollout.base import Rollout, SamplingParams, cut_at_stop, stop_token_ids
 
-# Both names: SGLANG_RETURN_ORIGINAL_LOGPROB from 0.5.6 on, RETURN_ORIGINAL_LOGPROB before
+# Both names: 0.5.6 and later read SGLANG_RETURN_ORIGINAL_LOGPROB, 0.5.3 RETURN_ORIGINAL_LOGPROB
 # (python/sglang/srt/layers/sampler.py).
 ORIGINAL_LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
 API_KEY_ENV = "OPD_SGLANG_API_KEY"
