@@ -6,7 +6,11 @@ Each generator is built so that its output is certainly invalid: a valid documen
 defect (unknown key, wrong type, value out of range, broken YAML, a top level that is not a mapping).
 """
 
+import hashlib
 import itertools
+import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -17,10 +21,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from opd.distill.config import load_run
 from opd.errors import OpdError
 from opd.expert.spec import load_expert_spec
 from opd.lab.base import load_base_spec
 from opd.merge.recipe import load_recipe
+from opd.paths import NAME_PATTERN
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,3 +227,170 @@ def test_cli_refuses_malformed_file(tmp_path, args, content):
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "bad.yaml" in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]  # nothing written
+
+
+# --- Hostile names and output paths -------------------------------------------------------------
+# A name is one path component; an output lies under runs/ or experts/ (of the project, of the
+# working directory, or of a root in OPD_OUTPUT_ROOTS) and replaces only an artifact of its own kind.
+
+BAD_NAMES = st.one_of(
+    st.sampled_from(["../runs/somedir", "..", ".", "/etc", "/tmp/x", "a/b", "a\\b/c", ".history", ".hidden",
+                     "", " ", "a b", "x\n", "~", "runs/../..", "-/x", "ä/ö"]),
+    st.text(min_size=1, max_size=12).filter(lambda s: re.fullmatch(NAME_PATTERN, s) is None),
+)
+NAMED = {"merge": (VALID["merge"], load_recipe),
+         "expert": (VALID["expert"], load_expert_spec),
+         "distill": ({"teachers": ["add"], "distill": {"steps": 2}}, load_run)}
+
+
+@FUZZ
+@given(st.sampled_from(sorted(NAMED)), BAD_NAMES)
+def test_names_that_are_not_one_path_component_are_refused(kind, name):
+    doc, loader = NAMED[kind]
+    path = _dir / f"{kind}-{next(_names)}.yaml"
+    path.write_text(yaml.safe_dump({**doc, "name": name}))
+    with pytest.raises(OpdError) as info:
+        loader(path)
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg and "'name'" in msg, msg
+
+
+def _tree(*roots: Path) -> dict[str, str]:
+    """Every path under `roots` (not following symlinks) -> what it is: file bytes' hash, link target, dir."""
+    out = {}
+    for root in roots:
+        for p in [root, *root.rglob("*")]:
+            if p.is_symlink():
+                out[str(p)] = "link:" + os.readlink(p)
+            elif p.is_dir():
+                out[str(p)] = "dir"
+            elif p.exists():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def hostile(tmp_path, monkeypatch):
+    """A project directory (the working directory) with runs/ and experts/ full of things that are not
+    the artifact a command writes, and a victim directory outside it. Only runs/ and experts/ of this
+    directory (and of the repository) are allowed roots."""
+    project, victim = tmp_path / "project", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    for d in ("runs/data", "runs/merge/notes", "experts/add", "experts/.history/add/v1-x", "runs/base"):
+        (project / d).mkdir(parents=True)
+        (project / d / "file.txt").write_text(d)
+    (project / "experts/add/manifest.json").write_text(json.dumps({"kind": "base"}))  # not an expert
+    (project / "runs/base/manifest.json").write_text("{not json")
+    (project / "runs/file.txt").write_text("a file, not a directory")
+    (project / "runs/link").symlink_to(victim)
+    (project / "experts/link").symlink_to(victim / "precious.txt")
+    monkeypatch.chdir(project)
+    monkeypatch.delenv("OPD_OUTPUT_ROOTS", raising=False)
+    return project, victim
+
+
+def hostile_paths(project: Path, victim: Path) -> list[str]:
+    return [str(victim), str(victim / "new"), "/", "/tmp", str(project), "..", "../victim", "../victim/new",
+            "runs", "experts", "runs/../../victim", "experts/../../victim", "runs/../x", "runs/link",
+            "runs/link/new", "experts/link", "runs/data", "runs/merge/notes", "experts/add", "runs/base",
+            "runs/file.txt", "experts/.history/add", "runs/.base.ckpt", "runs/.x/y", "~/runs/x",
+            str(project / "runs/data"), str(project / "experts/link"), "runs/data/.."]
+
+
+def _writers():
+    """Each command's entry point, called with a hostile output: (label, call)."""
+    from opd.distill.config import DistillRun
+    from opd.distill.run import run_distill
+    from opd.expert.run import run_expert
+    from opd.expert.spec import ExpertSpec
+    from opd.lab.run import build_and_report
+    from opd.merge import run_recipe
+    from opd.merge.recipe import MergeRecipe
+
+    return {
+        "expert --out": lambda out: run_expert(ExpertSpec(capability="count", threads=1), out=Path(out)),
+        "distill out": lambda out: run_distill(DistillRun(name="x", teachers=["add"], out=out)),
+        "merge out": lambda out: run_recipe(MergeRecipe.model_validate({**VALID["merge"], "name": "x", "out": out})),
+        "base --out": lambda out: build_and_report(None, out),
+    }
+
+
+@pytest.mark.parametrize("writer", ["expert --out", "distill out", "merge out", "base --out"])
+def test_hostile_output_paths_are_refused_and_nothing_changes(hostile, writer):
+    project, victim = hostile
+    call = _writers()[writer]
+    paths = hostile_paths(project, victim)
+    if writer == "base --out":
+        paths.remove("experts/add")  # its manifest says base: a base build may replace it
+    before = _tree(project, victim)
+    for out in paths:
+        with pytest.raises(OpdError) as info:
+            call(out)
+        msg = str(info.value)
+        assert "\n" not in msg, msg
+        assert _tree(project, victim) == before, (writer, out)
+
+
+def test_an_existing_artifact_of_the_same_kind_may_be_replaced(hostile):
+    from opd.paths import check_output
+
+    project, _ = hostile
+    (project / "experts/count").mkdir()
+    (project / "experts/count/manifest.json").write_text(json.dumps({"kind": "expert"}))
+    assert check_output("experts/count", "--out", kind="expert") == Path("experts/count")
+    assert check_output("runs/new/deep", "out", kind="distilled") == Path("runs/new/deep")
+    assert check_output("runs/merge/empty", "out", markers=("results.json",))  # does not exist yet: fine
+    with pytest.raises(OpdError, match="does not hold an opd distilled"):
+        check_output("experts/count", "out", kind="distilled")  # an OPD run never overwrites an expert
+
+
+def test_replaced_expert_is_kept_under_experts_history(tmp_path):
+    from opd.paths import history_dir
+
+    assert history_dir(tmp_path / "experts" / "add") == (tmp_path / "experts" / ".history" / "add").resolve()
+    assert history_dir(tmp_path / "experts" / "lab10" / "add") == \
+        (tmp_path / "experts" / ".history" / "lab10" / "add").resolve()
+
+
+HOSTILE_CLI = [
+    (["scripts/train_expert.py", "{f}", "--out", "../victim"], "capability: count\n"),
+    (["-m", "opd.distill", "{f}"], "teachers: [add]\nout: /tmp\n"),
+    (["-m", "opd.merge", "--recipe", "{f}", "--no-live"], "experts: [a]\nstrategies: {ties: {}}\nout: runs/link\n"),
+    (["-m", "opd.distill", "{f}"], "teachers: [add]\nbase: nowhere\n"),  # a missing model: no hub call
+]
+
+
+@pytest.mark.parametrize("args,content", HOSTILE_CLI, ids=[str(i) for i in range(len(HOSTILE_CLI))])
+def test_cli_refuses_hostile_output(hostile, args, content):
+    project, victim = hostile
+    spec = project / "bad.yaml"
+    spec.write_text(content)
+    before = _tree(project, victim)
+    argv = [str(ROOT / a) if a.endswith(".py") else a for a in args]
+    env = {k: v for k, v in os.environ.items() if k != "OPD_OUTPUT_ROOTS"}
+    env.update(HF_HUB_OFFLINE="0", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, *[str(spec) if a == "{f}" else a for a in argv]], cwd=project, env=env,
+                       capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "bad.yaml" in lines[0], lines[0]
+    assert _tree(project, victim) == before
+
+
+def test_storage_password_is_never_written_or_printed(tmp_path):
+    """A postgresql URL with a password: dumps (results.json, best/manifest.json, the model card all
+    take the recipe's dump) and errors carry '***' instead."""
+    from opd.merge.search import open_study
+
+    path = tmp_path / "r.yaml"
+    url = "postgresql+psycopg://opd:hunter2@127.0.0.1:9/db"
+    path.write_text(yaml.safe_dump({**VALID["merge"], "storage": url, "out": str(tmp_path / "out")}))
+    recipe = load_recipe(path)
+    assert recipe.storage_url == url  # the connection itself still has it
+    assert "hunter2" not in json.dumps(recipe.model_dump(mode="json")) + recipe.storage_label
+    with pytest.raises(OpdError) as info:
+        open_study(recipe, 1, resume=False, worker=False)
+    assert "hunter2" not in str(info.value) and "opd:***@" in str(info.value)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert all(b"hunter2" not in p.read_bytes() for p in written if p != path)

@@ -15,6 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 import torch
+from conftest import skip_missing
 from test_merge_fakes import PICO, build_fake_lab, write_recipe
 
 from opd.errors import OpdError
@@ -77,8 +78,9 @@ def test_best_model_reproduced_by_mergekit_yaml(run, tmp_path):
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
-@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} not installed (apt-get install chromium)")
 def test_report_renders_in_headless_chromium(run, tmp_path):
+    if not Path(CHROMIUM).exists():
+        skip_missing(f"{CHROMIUM} not installed (apt-get install chromium)")
     recipe, _ = run
     html_path = (recipe.out_dir / "report.html").resolve()
     flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

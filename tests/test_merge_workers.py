@@ -15,6 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 import torch
+from conftest import skip_missing
 from test_merge_fakes import build_fake_lab, write_recipe
 
 from opd.merge import load_recipe, run_recipe
@@ -28,20 +29,19 @@ def postgres():
     """A throwaway PostgreSQL cluster in a temp dir (unix socket only, no fsync); yields its URL."""
     pg_ctl = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
     if not pg_ctl:
-        pytest.skip("PostgreSQL is not installed (apt-get install postgresql); the SQLite case still runs")
+        skip_missing("PostgreSQL is not installed (apt-get install postgresql); the SQLite case still runs")
     try:
         import psycopg  # noqa: F401  SQLAlchemy's postgresql+psycopg driver
     except ImportError:
-        pytest.skip("no PostgreSQL driver (pip install 'psycopg[binary]'); the SQLite case still runs")
+        skip_missing("no PostgreSQL driver (pip install 'psycopg[binary]'); the SQLite case still runs")
     bindir = Path(pg_ctl[-1]).parent
-    d = Path(tempfile.mkdtemp(prefix="opd-pg-"))
-    d.chmod(0o755)
+    d = Path(tempfile.mkdtemp(prefix="opd-pg-"))  # 0700: trust auth, so only its owner may reach the socket
     user = None
     if os.geteuid() == 0:  # postgres refuses to run as root: use the account Debian's package made
         try:
             pw = pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no 'postgres' account to run PostgreSQL as")
+            skip_missing("running as root and there is no 'postgres' account to run PostgreSQL as")
         os.chown(d, pw.pw_uid, pw.pw_gid)
         user = "postgres"
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -98,7 +99,8 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     # lm-eval's per-request bars would drown opd's own progress display
     lm.generate_until = functools.partial(HFLM.generate_until, lm, disable_tqdm=True)
-    tm = TaskManager(include_path=_include_path(capabilities), include_defaults=False)
+    include = _include_path(capabilities)
+    tm = TaskManager(include_path=include, include_defaults=False)
     names = {task_name(c, split): c for c in capabilities}
     # simple_evaluate reseeds every RNG and returns None off LOCAL_RANK 0: evaluation must not
     # change a training run's random stream (or a cached score would change the run), and every
@@ -116,6 +118,8 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
         np.random.set_state(np_state)
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = local_rank
+        if include != str(REPO_EVALS):  # generated task YAMLs, one directory per call
+            shutil.rmtree(include, ignore_errors=True)
     model.train(was_training)
     scores = {}
     for tname, c in names.items():
