@@ -39,43 +39,86 @@ def get_reward(name: str) -> Reward:
         raise OpdError(f"unknown reward {name!r}; choose one of: {', '.join(sorted(REWARDS))}") from None
 
 
-class RewardTimeout(Exception):
-    pass
+BUILTIN = frozenset({verifier, partial})  # trusted and fast: they run in process
+
+
+def _as_score(value) -> float | None:
+    """A reward's return value as a score in [0, 1], or None when it is not a number (None, a
+    string, NaN): such a call scores 0 and is counted as an error."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        return None
+    return min(1.0, max(0.0, float(value)))
 
 
 class GuardedReward:
-    """Call a reward with a time limit; a reward that raises or hangs scores 0 and is counted.
+    """Call a reward so that it cannot take a training run down: a reward that raises (anything,
+    BaseException included), returns something other than a number, or runs past `timeout_s`
+    scores 0 and is counted in `errors` / `timeouts` (logged with the step's statistics).
 
-    A user's reward function must not take a training run down: exceptions and timeouts become
-    reward 0, and `errors` / `timeouts` are logged with the step's statistics. The limit uses
-    SIGALRM, so it applies in the main thread (elsewhere the call runs unguarded by time).
+    Built-in rewards run in process. A user-registered reward runs in a worker process that is
+    killed at the deadline, so a reward stuck in C code (a regex backtracking), swallowing
+    exceptions or called off the main thread is still stopped.
     """
 
     def __init__(self, reward: Reward, timeout_s: float):
         self.reward, self.timeout_s = reward, timeout_s
         self.errors = self.timeouts = 0
+        self._pool = None
 
     def __call__(self, completion: str, answer: str, cap: Capability) -> float:
-        import signal
-        import threading
-
-        timed = self.timeout_s > 0 and threading.current_thread() is threading.main_thread()
-        if timed:
-            def _raise(signum, frame):
-                raise RewardTimeout
-
-            previous = signal.signal(signal.SIGALRM, _raise)
-            signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
-        try:
-            value = float(self.reward(completion, answer, cap))
-            return min(1.0, max(0.0, value)) if value == value else 0.0  # NaN scores 0
-        except RewardTimeout:
-            self.timeouts += 1
-            return 0.0
-        except Exception:
+        if self.reward in BUILTIN:
+            try:
+                score = _as_score(self.reward(completion, answer, cap))
+            except Exception:
+                score = None
+        else:
+            score = self._isolated(completion, answer, cap)
+        if score is None:
             self.errors += 1
             return 0.0
-        finally:
-            if timed:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous)
+        return score
+
+    def _isolated(self, completion: str, answer: str, cap: Capability) -> float | None:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        if self._pool is None:
+            # spawn, not fork: a forked copy of a training process (torch threads, locks) can hang
+            self._pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            self._pool.submit(int).result()  # started and ready: the deadline below times the reward only
+        future = self._pool.submit(_call, self.reward, completion, answer, cap)
+        try:
+            return _as_score(future.result(timeout=self.timeout_s or None))
+        except cf.TimeoutError:
+            self.timeouts += 1
+            self.close()  # the worker is stuck: kill it; the next call starts a fresh one
+            return 0.0
+        except BaseException as e:  # the reward raised, or its worker died (BrokenProcessPool)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            if isinstance(e, cf.process.BrokenProcessPool):
+                self.close()
+            return None
+
+    def close(self) -> None:
+        """Kill the reward's worker process, if it has one."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            for proc in list((pool._processes or {}).values()):
+                proc.kill()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _call(reward: Reward, completion: str, answer: str, cap: Capability):
+    """Run in the worker process: a BaseException the reward raises comes back as an error, not a
+    dead worker."""
+    try:
+        return reward(completion, answer, cap)
+    except BaseException as e:
+        raise RuntimeError(f"reward raised {type(e).__name__}") from None
