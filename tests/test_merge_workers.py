@@ -95,3 +95,26 @@ def test_two_workers_share_one_study(tmp_path, storage, monkeypatch):
     summary = run_recipe(load_recipe(path, [f"storage={storage}"]), resume=True, live=False, log=lambda *a: None)
     assert len(summary["trials"]) == len(done) and summary["study"] == name
     assert (tmp_path / "out" / "report.md").exists()
+
+
+def test_resume_fails_only_abandoned_trials(tmp_path):
+    """--resume from a third process: a RUNNING trial whose worker is alive keeps running (its result
+    will be accepted); one whose worker is gone is failed and redone."""
+    import socket
+
+    from opd.merge.search import open_study
+
+    doc = {"name": "r", "experts": ["a", "b"], "strategies": {"linear": {}}, "out": str(tmp_path / "out")}
+    (tmp_path / "r.yaml").write_text(__import__("yaml").safe_dump(doc))
+    recipe = load_recipe(tmp_path / "r.yaml")
+    study = open_study(recipe, 1, resume=False, worker=False)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    live_t, dead_t = study.ask(), study.ask()
+    live_t.set_user_attr("worker", f"{host}:{os.getpid()}")
+    dead_t.set_user_attr("worker", f"{host}:{int(dead.stdout)}")
+    study = open_study(recipe, 1, resume=True, worker=False)
+    states = {t.number: t.state for t in study.trials}
+    assert states == {live_t.number: optuna.trial.TrialState.RUNNING, dead_t.number: optuna.trial.TrialState.FAIL}
+    study.tell(live_t.number, [0.5])  # the live worker's result is still accepted
+    assert study.trials[live_t.number].state == optuna.trial.TrialState.COMPLETE

@@ -209,6 +209,8 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
         # trial is queued again with its own parameters, seed and init, so its run continues from its
         # checkpoint instead of starting over.
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            if not _abandoned(t, storage, study):
+                continue  # another worker is still running it: its result must be accepted
             storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
             cand = t.user_attrs.get("candidate")
             if cand and get_strategy(cand["strategy"]).distill:
@@ -221,6 +223,19 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
             study.enqueue_trial(params, user_attrs={"warm_start_of": number}, skip_if_exists=True)
     study.set_user_attr("recipe", mine)
     return study
+
+
+def _abandoned(t: optuna.trial.FrozenTrial, storage, study: optuna.Study) -> bool:
+    """Whether a RUNNING trial's worker is gone: a process of this machine that no longer exists, or
+    (another machine's) a heartbeat older than the storage's grace period."""
+    from opd.io import _pid_alive
+
+    host, _, pid = t.user_attrs.get("worker", "").rpartition(":")
+    if not host:
+        return True  # killed before it recorded its worker
+    if host == socket.gethostname() and pid.isdigit():
+        return not _pid_alive(int(pid))
+    return t._trial_id in set(storage._get_stale_trial_ids(study._study_id))
 
 
 def trial_budget(recipe: MergeRecipe, study: optuna.Study) -> int | None:
