@@ -21,13 +21,16 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=None, help="experts trained at once, one process each (default: "
                     "the recipe's train.jobs; their specs set the torch threads: on a 2-core machine --jobs 2 "
                     "with threads: 1 halves the experts stage)")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the base's pre-training and of every expert "
+                    "(default: the specs' own); another seed builds another lab, e.g. to check a result is not one "
+                    "lucky draw")
     args = ap.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         ap.error("--jobs: give 1 or more")
 
     from opd.lab.pipeline import run_lab
 
-    run_lab(args.recipe, [s.strip() for s in args.stages.split(",") if s.strip()], jobs=args.jobs)
+    run_lab(args.recipe, [s.strip() for s in args.stages.split(",") if s.strip()], jobs=args.jobs, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -84,8 +84,9 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     With `run.deepspeed`, under a launcher every rank calls this; rank 0 writes and returns the
     manifest, the others return {}.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from opd.distill.teacher_bank import check_same_architecture
     from opd.evaluation.api import evaluate as lm_eval_score
 
     torch.set_num_threads(run.threads)
@@ -109,6 +110,7 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     if unknown:
         raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {run.teachers}")
     teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, device)
+    check_same_architecture(teachers, student=AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run.base)))
     student, tok = init_student(run, teachers, manifests)
     student.to(device)
     init_hash = state_dict_hash(student)

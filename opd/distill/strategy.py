@@ -48,6 +48,11 @@ def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluat
     routes = resolve_routes({e: t.capability for e, t in teachers.items()}, cfg.routes, weights)
     state = distill(cfg, student, inputs.tokenizer, teachers, routes, trial_dir / "state.pt",
                     evaluate_fn=evaluate_fn, references=references, teacher_weights=weights, log=log)
+    if state.best_model is not None and state.best_step != state.step:
+        # the student of the best val retention check, as the standalone run keeps (val is the
+        # search's split; the test split only reports)
+        log(f"keeping step {state.best_step} (min val retention {state.best_min_retention:.3f})")
+        student.load_state_dict(state.best_model)
     sd = {k: v.detach().clone().contiguous() for k, v in merge_keys(student.state_dict()).items()}
     trial_dir.mkdir(parents=True, exist_ok=True)
     save_file(sd, weights_file)

@@ -64,8 +64,16 @@ def expert_command(spec: Path, out: Path | None, overrides: dict) -> list[str]:
             *(["--out", str(out)] if out else [])]
 
 
-def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None) -> None:
-    """Run the stages in order; `jobs` (experts trained at once) defaults to the recipe's train.jobs."""
+def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: int | None = None) -> None:
+    """Run the stages in order; `jobs` (experts trained at once) defaults to the recipe's train.jobs.
+    `seed` (default: the specs' own) seeds the base's pre-training and every expert's training: a
+    different seed is a different lab. The minutes of the base and experts stages go to
+    <recipe out>/lab_stages.json, which the report's headline reads."""
+    import time
+
+    from opd.io import atomic_write_json
+
+    minutes = {}
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OpdError(f"--stages: unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
@@ -77,13 +85,18 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None) -> Non
     if "base" in stages:
         from opd.lab.run import build_and_report
 
-        build_and_report()
+        t = time.time()
+        build_and_report(overrides={"seed": seed} if seed is not None else None)
+        minutes["base"] = (time.time() - t) / 60
     if "experts" in stages:
+        t = time.time()
         from opd.expert.run import run_expert
         from opd.expert.spec import load_expert_spec
 
         specs = expert_jobs(recipe)
         overrides = {k: str(v) for k, v in recipe.train.overrides.items()}
+        if seed is not None:
+            overrides["seed"] = str(seed)
         jobs = jobs or recipe.train.jobs
         if jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged)
             run_parallel({n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
@@ -91,6 +104,9 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None) -> Non
         else:
             for spec, out in specs.values():  # a no-op when spec and base are unchanged
                 run_expert(load_expert_spec(spec, **overrides), out=out)
+        minutes["experts"] = (time.time() - t) / 60
+    if recipe is not None and minutes:
+        atomic_write_json(recipe.out_dir / "lab_stages.json", minutes)
     if "merge" in stages:
         from opd.merge import run_recipe
 

@@ -52,6 +52,8 @@ class Strategy:
     # "best", or a mergekit method's name for a hybrid). None for plain weight-space methods.
     distill_shared: dict[str, Any] | None = None
     init: str | None = None
+    # DistillConfig settings that define the strategy itself (not searchable), e.g. GSPO's kl_weight 0
+    distill_fixed: dict[str, Any] | None = None
 
     @property
     def distill(self) -> bool:
@@ -83,12 +85,23 @@ STRATEGIES: dict[str, Strategy] = _build_registry()
 # The DistillConfig fields an OPD strategy searches (defaults: the recipe's `distill` block), and
 # its per-teacher weight: the teacher's share of its capability's KL target and of the prompts.
 OPD_SHARED = {"steps": 50, "lr": 3e-4, "estimator": "sampled", "reward_weight": 0.0, "temperature": 1.0,
-              "prompts_per_step": 16, "group_size": 4, "updates_per_batch": 1}
+              "prompts_per_step": 16, "group_size": 4, "updates_per_batch": 1, "lr_schedule": "constant",
+              "adaptive_mix": 0.0, "kl_weight": 1.0, "warmstart_steps": 0, "warmstart_prompts": 256,
+              "warmstart_lr": 1e-3}
 OPD_PER_MODEL = {"teacher_weight": 1.0}
 HYBRID_SUFFIX = "+opd"
 STRATEGIES["opd"] = Strategy("opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the base", dict(OPD_SHARED), "base")
 STRATEGIES["merge_opd"] = Strategy("merge_opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the best merge so far",
                                    dict(OPD_SHARED), "best")
+# What a user would do instead of OPD, run by the same loop so that tokens and minutes compare:
+# supervised training on teacher samples the verifier accepts (off-policy distillation, no
+# on-policy steps), and multi-task GSPO from the base on verifier rewards alone (no teacher).
+STRATEGIES["offpolicy"] = Strategy("offpolicy", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL),
+                                   "off-policy distillation (SFT on verified teacher samples)", dict(OPD_SHARED),
+                                   "base", {"steps": 0})
+STRATEGIES["gspo"] = Strategy("gspo", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL),
+                              "multi-task GSPO on verifier rewards", dict(OPD_SHARED), "base",
+                              {"kl_weight": 0.0, "reward_weight": 1.0, "warmstart_steps": 0})
 
 
 def get_strategy(name: str) -> Strategy:
@@ -121,6 +134,7 @@ def distill_part(cand: Candidate) -> tuple[dict[str, Any], dict[str, float]]:
     """An OPD candidate's DistillConfig settings and its teacher weights (expert -> weight)."""
     strategy = get_strategy(cand.strategy)
     settings = {k: v for k, v in cand.shared.items() if k in (strategy.distill_shared or {})}
+    settings.update(strategy.distill_fixed or {})
     weights = {e: float(ps["teacher_weight"]) for e, ps in cand.per_model.items() if "teacher_weight" in ps}
     return settings, weights
 

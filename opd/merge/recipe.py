@@ -147,7 +147,7 @@ class MergeRecipe(BaseModel):
             if strategy.distill:
                 fixed = {p: v for p, v in params.items() if p in strategy.distill_shared and not isinstance(v, tuple | Choices)}
                 try:
-                    DistillConfig.model_validate({**self.distill.model_dump(), **fixed})
+                    DistillConfig.model_validate({**self.distill.model_dump(), **fixed, **(strategy.distill_fixed or {})})
                 except ValidationError as e:
                     err = e.errors()[0]
                     raise ValueError(f"strategy {name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None

@@ -220,8 +220,9 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
              "Retention = candidate score / the capability's expert score on the same split.")
     changed = summary.get("what_changed")
     changed_md = what_changed_md(changed) if changed else ""
+    head_md = headline(summary)
     md = "\n\n".join([
-        f"# Merge report: {recipe.name}", *(["## What changed", changed_md] if changed else []), intro, "## Final candidates", "\n".join(final_lines),
+        f"# Merge report: {recipe.name}", "## Headline", head_md, *(["## What changed", changed_md] if changed else []), intro, "## Final candidates", "\n".join(final_lines),
         "## Interference matrix (test)", _md_table(matrix["test"], "test"),
         "## Interference matrix (val)", _md_table(matrix["val"], "val"),
         *(["## On-policy distillation runs", _opd_md(summary)] if opd_trials(summary) else []),
@@ -236,7 +237,8 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>merge report: {html.escape(recipe.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display:inline-block;margin:1em}}</style>
-</head><body><h1>Merge report: {html.escape(recipe.name)}</h1>{_md_html("What changed", changed_md)}
+</head><body><h1>Merge report: {html.escape(recipe.name)}</h1>{_md_html("Headline", head_md)}
+{_md_html("What changed", changed_md)}
 <p>{_inline_md(intro)}</p>
 <h2>Final candidates</h2><ul>{finals}</ul>
 <h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}{_opd_html(summary)}
@@ -244,6 +246,21 @@ td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display
 """
     atomic_write_text(out / "report.html", page)
     return out / "report.html"
+
+
+def expert_rows(summary: dict) -> dict[str, str]:
+    """capability -> the matrix row of its expert ("expert <name>")."""
+    return {e["capability"]: f"expert {n}" for n, e in summary["inputs"]["experts"].items()}
+
+
+def headline(summary: dict) -> str:
+    """The report's headline section (Markdown) from a results summary."""
+    from opd.merge.headline import capability_rows, headline_md, strategy_rows
+
+    cells, experts = summary["matrix"]["test"], expert_rows(summary)
+    rows = capability_rows(cells, summary["best"], experts)
+    return headline_md(summary["best"], rows, strategy_rows(cells, summary["final"], experts),
+                       summary.get("stages", {}), summary.get("best_model"))
 
 
 def _opd_html(summary: dict) -> str:

@@ -29,7 +29,7 @@ from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
 from opd.paths import check_output, redact_url
 
 # What an existing run directory of a merge recipe holds (one of them at least).
-RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", "opd")
+RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", "opd", "lab_stages.json")
 
 
 class Scorer:
@@ -383,6 +383,20 @@ def _earlier_seconds(results: Path, study: str) -> float:
     return float(prev.get("total_seconds", prev.get("seconds", 0.0))) if prev.get("study") == study else 0.0
 
 
+def _stage_minutes(recipe: MergeRecipe, study, refs_s: float, search_s: float, final_s: float) -> dict[str, float]:
+    """Minutes per stage of this invocation: the lab's base and experts when the lab pipeline recorded
+    them (<out>/lab_stages.json), scoring the references, the search split into weight-space trials and
+    OPD trials (by trial durations), and the test re-scoring of the finalists."""
+    try:
+        lab = json.loads((recipe.out_dir / "lab_stages.json").read_text())
+    except (OSError, ValueError):
+        lab = {}
+    opd_s = sum(t.duration.total_seconds() for t in finished(study) if t.duration is not None
+                and get_strategy(t.user_attrs.get("candidate", {}).get("strategy", "linear")).distill)
+    return {**{k: float(v) for k, v in lab.items()}, "reference scoring": refs_s / 60,
+            "merge search": max(0.0, search_s - opd_s) / 60, "OPD": opd_s / 60, "test scoring": final_s / 60}
+
+
 def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = False, live: bool = True,
                log=print) -> dict:
     """Run a merge recipe end to end; returns the summary also written to <out>/results.json.
@@ -413,10 +427,12 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     scorer = Scorer(inputs, recipe.eval_batch_size)
     log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
     refs = score_references(inputs, scorer, recipe.screening.limit)
+    t_search = time.time()
     run_search(recipe, inputs, scorer, refs, study, live=live)
     if worker:
         return {"trials": len(finished(study))}
 
+    t_final = time.time()
     trials = final_candidates(recipe, study)
     log(f"re-scoring {len(trials)} final candidates on test")
     cands, matrix = rescore_final(inputs, scorer, refs, trials, recipe)
@@ -438,6 +454,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         "best": best_label,
         "matrix": {s: to_records(cells) for s, cells in matrix.items()},
         "scorer_calls": scorer.calls,
+        "stages": _stage_minutes(recipe, study, t_search - t0, t_final - t_search, time.time() - t_final),
     }
     if prev is not None:
         summary["what_changed"] = history.what_changed(prev, summary)
@@ -449,5 +466,8 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     # study that was killed halfway and resumed shows what the whole search cost).
     summary["total_seconds"] = summary["seconds"] + _earlier_seconds(recipe.out_dir / "results.json", name)
     atomic_write_json(recipe.out_dir / "results.json", summary)
+    from opd.merge.report import headline
+
+    log(headline(summary))
     log(f"best: {best_label} -> {best_dir}; report: {Path(recipe.out_dir) / 'report.html'}")
     return summary

@@ -1,0 +1,103 @@
+"""The answer a report leads with: what the final model kept of every expert, and each strategy's best.
+
+Two measures per capability c, on the test split:
+  retention  = model_c / expert_c
+  gain kept  = (model_c - base_c) / (expert_c - base_c), defined only where the expert beats the base
+               by at least `min_z` standard errors of the difference, sqrt(se_expert^2 + se_base^2)
+               (below that the expert's gain is noise and the ratio means nothing).
+Both are reported per capability and as the minimum over capabilities: a consolidation is as good as
+what it keeps of its weakest expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CapabilityRow:
+    capability: str
+    base: float
+    expert: float
+    model: float
+    retention: float
+    gain_kept: float | None  # None where the expert does not beat the base by min_z stderr
+    expert_gain_z: float
+
+
+def gain_kept(model: float, base: float, expert: float) -> float:
+    """(model - base) / (expert - base); the caller checks that expert - base is significant."""
+    return (model - base) / (expert - base)
+
+
+def capability_rows(cells: list[dict], candidate: str, expert_of: dict[str, str], min_z: float = 2.0
+                    ) -> list[CapabilityRow]:
+    """Rows for `candidate` from interference-matrix records (one split). `expert_of[cap]` names the
+    matrix row of that capability's expert ("expert <name>")."""
+    at = {(c["candidate"], c["capability"]): c for c in cells}
+    rows = []
+    for cap, expert_row in expert_of.items():
+        m, e, b = at.get((candidate, cap)), at.get((expert_row, cap)), at.get(("base", cap))
+        if m is None or e is None or b is None:
+            continue
+        se = math.sqrt(e["stderr"] ** 2 + b["stderr"] ** 2)
+        z = (e["score"] - b["score"]) / se if se > 0 else (math.inf if e["score"] > b["score"] else 0.0)
+        rows.append(CapabilityRow(cap, b["score"], e["score"], m["score"], m["retention"],
+                                  gain_kept(m["score"], b["score"], e["score"]) if z >= min_z else None, z))
+    return rows
+
+
+def minima(rows: list[CapabilityRow]) -> dict:
+    """min and mean retention, min gain kept (over the capabilities where it is defined), weakest capability."""
+    if not rows:
+        return {}
+    weakest = min(rows, key=lambda r: r.retention)
+    gains = [r for r in rows if r.gain_kept is not None]
+    worst_gain = min(gains, key=lambda r: r.gain_kept) if gains else None
+    return {"min_retention": weakest.retention, "mean_retention": sum(r.retention for r in rows) / len(rows),
+            "weakest": weakest.capability, "min_gain_kept": worst_gain.gain_kept if worst_gain else None,
+            "weakest_gain": worst_gain.capability if worst_gain else None,
+            "gain_capabilities": len(gains)}
+
+
+def strategy_rows(cells: list[dict], final: dict[str, dict], expert_of: dict[str, str], min_z: float = 2.0
+                  ) -> list[dict]:
+    """The best re-scored candidate of every strategy (by min test retention), with its minima."""
+    best: dict[str, dict] = {}
+    for label, v in final.items():
+        strategy = v["candidate"]["strategy"]
+        stats = minima(capability_rows(cells, label, expert_of, min_z))
+        if stats and (strategy not in best or stats["min_retention"] > best[strategy]["min_retention"]):
+            best[strategy] = {"strategy": strategy, "candidate": label, **stats}
+    return sorted(best.values(), key=lambda r: -r["min_retention"])
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def headline_md(candidate: str, rows: list[CapabilityRow], strategies: list[dict], stages: dict[str, float],
+                model_path: str | None = None) -> str:
+    """The report's first section, as Markdown."""
+    s = minima(rows)
+    lines = [f"**Final model** `{candidate}`" + (f" (`{model_path}`)" if model_path else "") + ": on test, "
+             f"**min retention {_f(s.get('min_retention'))}** ({s.get('weakest')}), mean {_f(s.get('mean_retention'))}; "
+             f"**min gain kept {_f(s.get('min_gain_kept'))}** ({s.get('weakest_gain')}; over the "
+             f"{s.get('gain_capabilities', 0)} capabilities whose expert beats the base by >= 2 stderr).", "",
+             "| capability | base | expert | final model | retention | gain kept | expert gain (z) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.capability} | {r.base:.3f} | {r.expert:.3f} | {r.model:.3f} | {r.retention:.2f} | "
+                     f"{_f(r.gain_kept)} | {r.expert_gain_z:.1f} |")
+    lines += [f"| **minimum** | | | | **{_f(s.get('min_retention'))}** | **{_f(s.get('min_gain_kept'))}** | |", "",
+              "Best candidate of every strategy (test):", "",
+              "| strategy | candidate | min retention | mean retention | min gain kept | weakest capability |",
+              "|---|---|---|---|---|---|"]
+    for st in strategies:
+        lines.append(f"| {st['strategy']} | {st['candidate']} | {st['min_retention']:.2f} | {st['mean_retention']:.2f} "
+                     f"| {_f(st['min_gain_kept'])} | {st['weakest']} |")
+    if stages:
+        lines += ["", "Minutes per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
+                  + f" (total {sum(stages.values()):.1f})."]
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""The report's headline: retention and gain kept per capability, minima, best per strategy (by hand)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opd.merge.headline import capability_rows, gain_kept, headline_md, minima, strategy_rows
+
+
+def _cell(cand, cap, score, stderr, reference):
+    return {"candidate": cand, "capability": cap, "score": score, "stderr": stderr,
+            "retention": score / reference if reference else 1.0}
+
+
+# add: base 0.10, expert 0.50 (z = 0.40 / sqrt(0.03^2 + 0.02^2) = 11.1); rev: base 0.30, expert 0.33
+# (z = 0.03 / sqrt(0.03^2 + 0.03^2) = 0.71: not significant, so no gain kept)
+CELLS = [
+    _cell("base", "add", 0.10, 0.02, 0.50), _cell("base", "rev", 0.30, 0.03, 0.33),
+    _cell("expert a", "add", 0.50, 0.03, 0.50), _cell("expert a", "rev", 0.20, 0.03, 0.33),
+    _cell("expert r", "add", 0.05, 0.01, 0.50), _cell("expert r", "rev", 0.33, 0.03, 0.33),
+    _cell("#1 opd", "add", 0.42, 0.03, 0.50), _cell("#1 opd", "rev", 0.33, 0.03, 0.33),
+    _cell("#2 ties", "add", 0.20, 0.02, 0.50), _cell("#2 ties", "rev", 0.11, 0.02, 0.33),
+    _cell("#3 ties", "add", 0.30, 0.02, 0.50), _cell("#3 ties", "rev", 0.22, 0.02, 0.33),
+]
+EXPERTS = {"add": "expert a", "rev": "expert r"}
+
+
+def test_gain_kept_by_hand():
+    assert gain_kept(0.42, 0.10, 0.50) == pytest.approx(0.32 / 0.40)  # 0.8
+    assert gain_kept(0.05, 0.10, 0.50) == pytest.approx(-0.125)  # below the base: negative
+
+
+def test_capability_rows_and_minima():
+    rows = {r.capability: r for r in capability_rows(CELLS, "#1 opd", EXPERTS)}
+    assert rows["add"].retention == pytest.approx(0.84) and rows["add"].gain_kept == pytest.approx(0.8)
+    assert rows["add"].expert_gain_z == pytest.approx(0.40 / (0.03**2 + 0.02**2) ** 0.5)
+    assert rows["rev"].gain_kept is None and rows["rev"].retention == pytest.approx(1.0)
+    m = minima(list(rows.values()))
+    assert m["min_retention"] == pytest.approx(0.84) and m["weakest"] == "add"
+    assert m["mean_retention"] == pytest.approx(0.92) and m["min_gain_kept"] == pytest.approx(0.8)
+    assert m["gain_capabilities"] == 1
+
+
+def test_strategy_rows_keep_each_strategys_best_by_min_retention():
+    final = {"#1 opd": {"candidate": {"strategy": "opd"}}, "#2 ties": {"candidate": {"strategy": "ties"}},
+             "#3 ties": {"candidate": {"strategy": "ties"}}}
+    rows = strategy_rows(CELLS, final, EXPERTS)
+    assert [r["strategy"] for r in rows] == ["opd", "ties"]
+    assert rows[1]["candidate"] == "#3 ties" and rows[1]["min_retention"] == pytest.approx(0.30 / 0.50)  # add is its weakest
+    md = headline_md("#1 opd", capability_rows(CELLS, "#1 opd", EXPERTS), rows, {"base": 3.0, "OPD": 2.5})
+    assert "min retention 0.84" in md and "min gain kept 0.80" in md and "(total 5.5)" in md
+    assert "| rev | 0.300 | 0.330 | 0.330 | 1.00 | n/a | 0.7 |" in md
