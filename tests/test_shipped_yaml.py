@@ -10,7 +10,7 @@ from opd.lab.base import DEFAULT_SPEC, load_base_spec
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "merge_recipes" / "distill").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "merge_recipes" / "distill").rglob("*.yaml")), ids=lambda p: p.name)
 def test_distill_runs_load(path):
     run = load_run(path)
     assert run.teachers
@@ -23,7 +23,7 @@ def test_lab_base_spec_loads():
 
 def test_every_yaml_is_covered():
     """A new YAML folder needs a loader test: this lists the ones that have one."""
-    covered = {"merge_recipes", "merge_recipes/distill", "experts", "evals", "opd/lab"}
+    covered = {"merge_recipes", "merge_recipes/distill", "merge_recipes/distill/lab10_ablations", "experts", "evals", "opd/lab"}
     folders = {str(p.parent.relative_to(ROOT)) for p in ROOT.rglob("*.yaml")
                if not any(part.startswith(".") or part in ("runs", "build") for part in p.relative_to(ROOT).parts)}
     assert folders <= covered, folders - covered
