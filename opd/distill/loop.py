@@ -349,6 +349,8 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         state.step += 1
         state.gen_tokens += batch.gen_tokens if world == 1 else ranks_sum(batch.gen_tokens)
         rec["gen_tokens"] = state.gen_tokens
+        if state.warm_tokens:
+            rec["warm_tokens"] = state.warm_tokens  # teacher-sample tokens of the off-policy warm start
         last = state.step == cfg.steps
         if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
             check(rec)

@@ -148,7 +148,33 @@ def plot_all(summary: dict, matrix: dict) -> dict[str, bytes]:
         ax.legend(fontsize=7)
         ax.set_title("per-teacher KL during distillation")
         plots["opd_kl"] = _png(fig)
+        plots["retention_vs_tokens"] = _retention_vs_tokens(plt, summary, opd)
     return plots
+
+
+def _retention_vs_tokens(plt, summary: dict, opd: list[dict]) -> bytes:
+    """Min val retention at each retention check against the tokens the student trained on (its own
+    samples, plus the teacher samples of an off-policy warm start), one line per distillation trial;
+    the best weight-space candidate of each strategy as a point at 0 tokens."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in opd:
+        pts = [(r.get("gen_tokens", 0) + r.get("warm_tokens", 0), r["min_retention"]) for r in t["opd_history"]
+               if "min_retention" in r and "step" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"#{t['number']} {t['candidate']['strategy']}")
+    merges: dict[str, float] = {}
+    for t in summary["trials"]:
+        if not t.get("opd_history") and t.get("stage") == "full":
+            s = t["candidate"]["strategy"]
+            merges[s] = max(merges.get(s, -1.0), t["min_retention"])
+    for s, v in merges.items():
+        ax.scatter([0], [v], s=14)
+        ax.annotate(s, (0, v), fontsize=6, xytext=(3, 0), textcoords="offset points")
+    ax.set_xlabel("tokens trained on (student samples + off-policy teacher samples)")
+    ax.set_ylabel("min retention (val checks)")
+    ax.legend(fontsize=7)
+    ax.set_title("retention against training tokens")
+    return _png(fig)
 
 
 def opd_trials(summary: dict) -> list[dict]:
