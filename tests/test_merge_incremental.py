@@ -102,7 +102,9 @@ def test_rerun_after_one_expert_changed(tmp_path, monkeypatch, scored):
             assert (row[side]["score"], row[side]["retention"]) == (cell["score"], cell["retention"])
     assert [r["capability"] for r in wc["capabilities"]] == ["add", "rev"]
     report = (out / "report.md").read_text().splitlines()
-    assert report[:3] == ["# Merge report: t", "", "## What changed"]
+    # the headline (the answer) first, then what changed since the previous study
+    assert report[:3] == ["# Merge report: t", "", "## Headline"]
+    assert report.index("## What changed") < report.index("## Final candidates")
     assert f"| rev | changed | `{old_hash}` (v1) | `{new_hash}` (v2) |" in report
     assert "<h2>What changed</h2>" in (out / "report.html").read_text()
 
