@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.config import load_yaml_model
+from opd.gspo.ds import DeepSpeedFragment
 
 Estimator = Literal["sampled", "full"]
 
@@ -111,19 +112,11 @@ class DistillRun(BaseModel):
     threads: int = Field(1, gt=0, description="torch CPU threads")
     device: str = Field("cpu", description="torch device of the student and the in-process teachers (e.g. cuda; "
                         "under DeepSpeed 'cuda' is each rank's own GPU)")
-    deepspeed: dict[str, Any] | None = Field(
+    deepspeed: DeepSpeedFragment = Field(
         None, description="DeepSpeed config fragment merged over ZeRO-2 defaults (e.g. {zero_optimization: {stage: 2}}; "
         "{} for the defaults): the updates run under a ZeRO engine; None = plain torch. Launch several ranks with "
         "`deepspeed --num_gpus N --no_local_rank --module opd.distill run.yaml`; prompts_per_step is per rank")
 
-    @field_validator("deepspeed")
-    @classmethod
-    def _check_deepspeed(cls, v):
-        if v is not None:
-            from opd.gspo.ds import check_fragment
-
-            check_fragment(v)
-        return v
 
     @model_validator(mode="after")
     def _check(self):

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
+from opd.gspo.ds import DeepSpeedFragment
 from opd.paths import NAME_PATTERN
 
 
@@ -64,17 +65,9 @@ class ExpertSpec(BaseModel):
     eval_limit: int = Field(100, gt=0, description="validation items per screening")
     checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
     score_capabilities: list[str] | None = Field(None, description="capabilities for the final matrix; default: the base's")
-    deepspeed: dict | None = Field(None, description="DeepSpeed config (e.g. {zero_optimization: {stage: 2}}); None = plain torch")
+    deepspeed: DeepSpeedFragment = Field(None, description="DeepSpeed config (e.g. {zero_optimization: {stage: 2}}); None = plain torch")
     threads: int = Field(2, gt=0, description="torch CPU threads")
 
-    @field_validator("deepspeed")
-    @classmethod
-    def _check_deepspeed(cls, v):
-        if v is not None:
-            from opd.gspo.ds import check_fragment
-
-            check_fragment(v)
-        return v
 
     @model_validator(mode="after")
     def _check(self):

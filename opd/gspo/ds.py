@@ -23,6 +23,9 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 # What torchrun and the deepspeed launcher export for every rank.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -85,6 +88,12 @@ def _merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def _checked_fragment(fragment: dict | None) -> dict | None:
+    if fragment is not None:
+        check_fragment(fragment)
+    return fragment
 
 
 def check_fragment(fragment: dict) -> None:
@@ -229,3 +238,8 @@ def optimizer_step(loss, opt, params, grad_clip: float, backward=None) -> float:
     gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     opt.step()
     return gn
+
+
+# A spec field holding a DeepSpeed config fragment (or None), checked by `check_fragment` when the
+# spec is loaded: the expert spec and the distillation run share it.
+DeepSpeedFragment = Annotated[dict[str, Any] | None, AfterValidator(_checked_fragment)]
