@@ -19,7 +19,6 @@ The last line is `ratio: N.NN`, tuned / loop student tokens per second.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,7 +83,6 @@ def main() -> None:
 
     base, names = args.base, args.experts.split(",")
     if args.quick:
-        sys.path.insert(0, str(REPO / "tests"))
         from opd.lab.pico import build_fake_lab, build_trained_pico
 
         root = Path(tempfile.mkdtemp(prefix="opd-bench-"))
