@@ -12,6 +12,15 @@ from opd.lab.pico import PICO, build_trained_pico
 from opd.lab.tokenizer import build_char_tokenizer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _output_root(tmp_path_factory):
+    """pytest's temp directory is an allowed output root (opd.paths) for the whole session, so module-
+    and session-scoped fixtures (set up before any function-scoped one) may write there too."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPD_OUTPUT_ROOTS", str(tmp_path_factory.getbasetemp()))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, tmp_path_factory, monkeypatch):
     """Each test gets its own eval cache and one torch thread (the CI box has 2 cores); pytest's temp
