@@ -37,8 +37,27 @@ def test_capability_rows_and_minima():
     assert rows["rev"].gain_kept is None and rows["rev"].retention == pytest.approx(1.0)
     m = minima(list(rows.values()))
     assert m["min_retention"] == pytest.approx(0.84) and m["weakest"] == "add"
-    assert m["mean_retention"] == pytest.approx(0.92) and m["min_gain_kept"] == pytest.approx(0.8)
-    assert m["gain_capabilities"] == 1
+    assert m["mean_retention"] == pytest.approx(0.84) and m["min_gain_kept"] == pytest.approx(0.8)
+    assert m["gain_capabilities"] == 1 and m["min_retention_all"] == pytest.approx(0.84)
+
+
+def test_minima_leave_out_an_expert_that_does_not_beat_the_base():
+    """#2 ties keeps 0.11/0.33 of rev, whose expert is no better than the base (z 0.71): the minimum
+    counts add only (0.20/0.50), and the minimum over all capabilities is reported beside it."""
+    m = minima(capability_rows(CELLS, "#2 ties", EXPERTS))
+    assert m["min_retention"] == pytest.approx(0.4) and m["weakest"] == "add"
+    assert m["min_retention_all"] == pytest.approx(0.11 / 0.33) and m["weakest_all"] == "rev"
+    md = headline_md("#2 ties", capability_rows(CELLS, "#2 ties", EXPERTS), [], {})
+    assert "min retention 0.40" in md and "1 of 2 capabilities" in md and "over all 2: min retention 0.33 (rev)" in md
+
+
+def test_search_objectives_count_only_experts_that_beat_the_base():
+    from opd.merge.search import aggregate_retention
+
+    ret = {"add": 0.9, "rev": 0.0, "sort": 0.7}
+    assert aggregate_retention(ret, ["add", "sort"]) == pytest.approx({"min": 0.7, "mean": 0.8})
+    assert aggregate_retention(ret, None) == pytest.approx({"min": 0.0, "mean": 1.6 / 3})
+    assert aggregate_retention(ret, []) == pytest.approx({"min": 0.0, "mean": 1.6 / 3})
 
 
 def test_strategy_rows_keep_each_strategys_best_by_min_retention():
@@ -50,3 +69,25 @@ def test_strategy_rows_keep_each_strategys_best_by_min_retention():
     md = headline_md("#1 opd", capability_rows(CELLS, "#1 opd", EXPERTS), rows, {"base": 3.0, "OPD": 2.5})
     assert "min retention 0.84" in md and "min gain kept 0.80" in md and "(total 5.5)" in md
     assert "| rev | 0.300 | 0.330 | 0.330 | 1.00 | n/a | 0.7 |" in md
+
+
+def test_references_count_capabilities_whose_expert_beats_the_base_on_val():
+    """score_references with a scorer that returns fixed scores: the `shift` expert scores what the
+    base scores (it learnt nothing), so only `add` is counted."""
+    from types import SimpleNamespace
+
+    from opd.evaluation.api import Score
+    from opd.merge.search import score_references
+
+    table = {"base": {"add": 0.1, "shift": 0.01}, "a": {"add": 0.6, "shift": 0.0}, "s": {"add": 0.1, "shift": 0.01}}
+
+    class FakeScorer:
+        base_sd = "base"
+
+        def score(self, sd, split, limit=None, caps=None):
+            return {c: Score(v, 0.02, 200) for c, v in table[sd].items() if caps is None or c in caps}
+
+    inputs = SimpleNamespace(capabilities=["add", "shift"], expert_sds={"a": "a", "s": "s"},
+                             manifests={"a": SimpleNamespace(capability="add"), "s": SimpleNamespace(capability="shift")})
+    refs = score_references(inputs, FakeScorer(), None)
+    assert refs.counted == ["add"] and refs.val == {"add": 0.6, "shift": 0.01}

@@ -5,14 +5,16 @@ Two measures per capability c, on the test split:
   gain kept  = (model_c - base_c) / (expert_c - base_c), defined only where the expert beats the base
                by at least `min_z` standard errors of the difference, sqrt(se_expert^2 + se_base^2)
                (below that the expert's gain is noise and the ratio means nothing).
-Both are reported per capability and as the minimum over capabilities: a consolidation is as good as
-what it keeps of its weakest expert.
+Both are reported per capability and as the minimum over the capabilities whose expert beats the
+base: a consolidation is as good as what it keeps of its weakest expert, and an expert that learnt
+nothing has nothing to keep (its retention is shown, and the minimum over all capabilities with it).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from opd.merge.interference import MIN_GAIN_Z, gain_z
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ def gain_kept(model: float, base: float, expert: float) -> float:
     return (model - base) / (expert - base)
 
 
-def capability_rows(cells: list[dict], candidate: str, expert_of: dict[str, str], min_z: float = 2.0
+def capability_rows(cells: list[dict], candidate: str, expert_of: dict[str, str], min_z: float = MIN_GAIN_Z
                     ) -> list[CapabilityRow]:
     """Rows for `candidate` from interference-matrix records (one split). `expert_of[cap]` names the
     matrix row of that capability's expert ("expert <name>")."""
@@ -41,27 +43,31 @@ def capability_rows(cells: list[dict], candidate: str, expert_of: dict[str, str]
         m, e, b = at.get((candidate, cap)), at.get((expert_row, cap)), at.get(("base", cap))
         if m is None or e is None or b is None:
             continue
-        se = math.sqrt(e["stderr"] ** 2 + b["stderr"] ** 2)
-        z = (e["score"] - b["score"]) / se if se > 0 else (math.inf if e["score"] > b["score"] else 0.0)
+        z = gain_z(e["score"], e["stderr"], b["score"], b["stderr"])
         rows.append(CapabilityRow(cap, b["score"], e["score"], m["score"], m["retention"],
                                   gain_kept(m["score"], b["score"], e["score"]) if z >= min_z else None, z))
     return rows
 
 
 def minima(rows: list[CapabilityRow]) -> dict:
-    """min and mean retention, min gain kept (over the capabilities where it is defined), weakest capability."""
+    """Over the capabilities whose expert beats the base (gain kept defined; all rows when none does):
+    min and mean retention, the weakest capability, min gain kept. Also the min retention over all rows
+    (`min_retention_all`), which an expert that learnt nothing drags to noise."""
     if not rows:
         return {}
-    weakest = min(rows, key=lambda r: r.retention)
+    counted = [r for r in rows if r.gain_kept is not None] or rows
+    weakest = min(counted, key=lambda r: r.retention)
+    weakest_all = min(rows, key=lambda r: r.retention)
     gains = [r for r in rows if r.gain_kept is not None]
     worst_gain = min(gains, key=lambda r: r.gain_kept) if gains else None
-    return {"min_retention": weakest.retention, "mean_retention": sum(r.retention for r in rows) / len(rows),
+    return {"min_retention": weakest.retention, "mean_retention": sum(r.retention for r in counted) / len(counted),
             "weakest": weakest.capability, "min_gain_kept": worst_gain.gain_kept if worst_gain else None,
             "weakest_gain": worst_gain.capability if worst_gain else None,
-            "gain_capabilities": len(gains)}
+            "gain_capabilities": len(gains), "capabilities": len(rows),
+            "min_retention_all": weakest_all.retention, "weakest_all": weakest_all.capability}
 
 
-def strategy_rows(cells: list[dict], final: dict[str, dict], expert_of: dict[str, str], min_z: float = 2.0
+def strategy_rows(cells: list[dict], final: dict[str, dict], expert_of: dict[str, str], min_z: float = MIN_GAIN_Z
                   ) -> list[dict]:
     """The best re-scored candidate of every strategy (by min test retention), with its minima."""
     best: dict[str, dict] = {}
@@ -83,14 +89,18 @@ def headline_md(candidate: str, rows: list[CapabilityRow], strategies: list[dict
     s = minima(rows)
     lines = [f"**Final model** `{candidate}`" + (f" (`{model_path}`)" if model_path else "") + ": on test, "
              f"**min retention {_f(s.get('min_retention'))}** ({s.get('weakest')}), mean {_f(s.get('mean_retention'))}; "
-             f"**min gain kept {_f(s.get('min_gain_kept'))}** ({s.get('weakest_gain')}; over the "
-             f"{s.get('gain_capabilities', 0)} capabilities whose expert beats the base by >= 2 stderr).", "",
+             f"**min gain kept {_f(s.get('min_gain_kept'))}** ({s.get('weakest_gain')}); both over the "
+             f"{s.get('gain_capabilities', 0)} of {s.get('capabilities', 0)} capabilities whose expert beats the base "
+             f"by >= {MIN_GAIN_Z:g} stderr" + ("." if s.get("gain_capabilities") == s.get("capabilities") else
+             f"; over all {s.get('capabilities')}: min retention {_f(s.get('min_retention_all'))} "
+             f"({s.get('weakest_all')})."), "",
              "| capability | base | expert | final model | retention | gain kept | expert gain (z) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.capability} | {r.base:.3f} | {r.expert:.3f} | {r.model:.3f} | {r.retention:.2f} | "
                      f"{_f(r.gain_kept)} | {r.expert_gain_z:.1f} |")
-    lines += [f"| **minimum** | | | | **{_f(s.get('min_retention'))}** | **{_f(s.get('min_gain_kept'))}** | |", "",
+    lines += [f"| **minimum** (expert beats base) | | | | **{_f(s.get('min_retention'))}** | "
+              f"**{_f(s.get('min_gain_kept'))}** | |", "",
               "Best candidate of every strategy (test):", "",
               "| strategy | candidate | min retention | mean retention | min gain kept | weakest capability |",
               "|---|---|---|---|---|---|"]

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 
 def retention(score: float, reference: float) -> float:
     """score / reference. A reference of 0 leaves nothing to lose, so any score retains it fully."""
     return score / reference if reference > 0 else 1.0
+
+
+# An expert "beats the base" on a capability when its score exceeds the base's by this many standard
+# errors of the difference. Only those capabilities count in min/mean retention objectives and in
+# gain kept: retention against an expert that learnt nothing measures noise (1 item in 300).
+MIN_GAIN_Z = 2.0
+
+
+def gain_z(expert: float, expert_se: float, base: float, base_se: float) -> float:
+    """(expert - base) / stderr of the difference."""
+    se = math.sqrt(expert_se ** 2 + base_se ** 2)
+    return (expert - base) / se if se > 0 else (math.inf if expert > base else 0.0)
 
 
 def dominates(a: list[float], b: list[float]) -> bool:

@@ -23,7 +23,14 @@ from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
 from opd.io import atomic_write_json, state_dict_hash
 from opd.merge import history
-from opd.merge.interference import interference_matrix, pareto_front, retention, to_records
+from opd.merge.interference import (
+    MIN_GAIN_Z,
+    gain_z,
+    interference_matrix,
+    pareto_front,
+    retention,
+    to_records,
+)
 from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate, merge_part
 from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
 from opd.paths import check_output, redact_url
@@ -57,6 +64,9 @@ class References:
     test: dict[str, float] = field(default_factory=dict)
     base: dict[str, dict[str, Score]] = field(default_factory=dict)  # split -> cap -> score
     experts: dict[str, dict[str, dict[str, Score]]] = field(default_factory=dict)  # split -> expert -> cap
+    # The capabilities whose expert beats the base on full val (MIN_GAIN_Z): the min/mean objectives and
+    # OPD's keep-best checkpoint count only these (all capabilities when none does).
+    counted: list[str] = field(default_factory=list)
 
 
 def score_references(inputs: MergeInputs, scorer: Scorer, screen_limit: int | None) -> References:
@@ -76,7 +86,17 @@ def score_references(inputs: MergeInputs, scorer: Scorer, screen_limit: int | No
         refs.val[cap], refs.test[cap] = val[cap].score, test[cap].score
         sd = inputs.expert_sds[e] if e else scorer.base_sd
         refs.screen[cap] = scorer.score(sd, "val", screen_limit, [cap])[cap].score if screen_limit else refs.val[cap]
+    b = refs.base["val"]
+    refs.counted = [c for c in inputs.capabilities if owner.get(c) and gain_z(
+        refs.experts["val"][owner[c]][c].score, refs.experts["val"][owner[c]][c].stderr, b[c].score, b[c].stderr)
+        >= MIN_GAIN_Z] or list(inputs.capabilities)
     return refs
+
+
+def aggregate_retention(ret: dict[str, float], counted: list[str] | None = None) -> dict[str, float]:
+    """min and mean retention over the `counted` capabilities (all of `ret` when None or none)."""
+    vals = [ret[c] for c in (counted or ret) if c in ret] or list(ret.values())
+    return {"min": min(vals), "mean": sum(vals) / len(vals)}
 
 
 def objective_names(recipe: MergeRecipe, caps: list[str]) -> list[str]:
@@ -84,8 +104,8 @@ def objective_names(recipe: MergeRecipe, caps: list[str]) -> list[str]:
            [f"{a}_retention" for a in recipe.objectives.aggregates]
 
 
-def objective_values(recipe: MergeRecipe, ret: dict[str, float]) -> list[float]:
-    aggs = {"min": min(ret.values()), "mean": sum(ret.values()) / len(ret)}
+def objective_values(recipe: MergeRecipe, ret: dict[str, float], counted: list[str] | None = None) -> list[float]:
+    aggs = aggregate_retention(ret, counted)
     return ([ret[c] for c in ret] if recipe.objectives.per_capability else []) + \
            [aggs[a] for a in recipe.objectives.aggregates]
 
@@ -275,15 +295,16 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
             ret = {c: retention(scores[c].score, refs.screen[c]) for c in caps}
             full = [t for t in finished(trial.study) if t.user_attrs.get("stage") == "full"]
             best = max((t.user_attrs["min_retention"] for t in full), default=-math.inf)
-            stage = "full" if len(full) < screen.warmup or min(ret.values()) >= best - screen.margin else "screen"
+            worst = aggregate_retention(ret, refs.counted)["min"]
+            stage = "full" if len(full) < screen.warmup or worst >= best - screen.margin else "screen"
         if stage == "full":
             scores = scorer.score(sd, "val")
             ret = {c: retention(scores[c].score, refs.val[c]) for c in caps}
         trial.set_user_attr("stage", stage)
         trial.set_user_attr("scores", {c: [s.score, s.stderr, s.n] for c, s in scores.items()})
         trial.set_user_attr("retention", ret)
-        trial.set_user_attr("min_retention", min(ret.values()))
-        return objective_values(recipe, ret)
+        trial.set_user_attr("min_retention", aggregate_retention(ret, refs.counted)["min"])
+        return objective_values(recipe, ret, refs.counted)
 
     done = len(finished(study))
     n_trials = trial_budget(recipe, study)
@@ -336,7 +357,8 @@ def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = Non
                                                     batch_size=recipe.eval_batch_size).items()}
     number = trial.user_attrs.get("resume_of", trial.number)
     sd, history = opd_student(inputs, cand, recipe, init_sd, recipe.out_dir / "opd" / f"trial-{number}",
-                              evaluate_fn=evaluate_fn, references=refs.val if refs else None)
+                              evaluate_fn=evaluate_fn,
+                              references={c: refs.val[c] for c in refs.counted or refs.val} if refs else None)
     if isinstance(trial, optuna.Trial):
         trial.set_user_attr("opd_history", history)
     return sd
@@ -427,6 +449,10 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     scorer = Scorer(inputs, recipe.eval_batch_size)
     log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
     refs = score_references(inputs, scorer, recipe.screening.limit)
+    left_out = [c for c in inputs.capabilities if c not in refs.counted]
+    if left_out:
+        log(f"not counted in min/mean retention (the expert does not beat the base by {MIN_GAIN_Z:g} stderr on "
+            f"val): {', '.join(left_out)}")
     t_search = time.time()
     run_search(recipe, inputs, scorer, refs, study, live=live)
     if worker:
@@ -447,6 +473,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
                                    "capability": inputs.manifests[e].capability}
                                for e, p in inputs.expert_paths.items()}},
         "objectives": objective_names(recipe, inputs.capabilities),
+        "counted": refs.counted,
         "trials": [{"number": t.number, "values": t.values, "params": t.params, **t.user_attrs}
                    for t in finished(study)],
         "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}
