@@ -1,4 +1,7 @@
-"""Merge strategies: mergekit's own methods, keyed by mergekit's name, run in memory or as a YAML;
+"""Merge strategies: mergekit's methods, keyed by mergekit's name, run in memory or as a YAML
+(mergekit's own, plus opd's subspace methods `tsv_m`, `iso_c`, `iso_cts` from opd.merge.subspace,
+registered with mergekit when this module is imported: a separate `mergekit-yaml` process does
+not know them, `run_mergekit` here does);
 and on-policy distillation (OPD) strategies that train a student from the experts as teachers.
 
 A candidate is one method plus concrete parameters. The same candidate becomes either an
@@ -31,6 +34,7 @@ _INPUTS = {
     "breadcrumbs": "base+experts", "breadcrumbs_ties": "base+experts", "model_stock": "base+experts",
     "sce": "base+experts", "ram": "base+experts", "ramplus_tl": "base+experts",
     "nuslerp": "base+experts",
+    "tsv_m": "base+experts", "iso_c": "base+experts", "iso_cts": "base+experts",  # opd.merge.subspace
     "slerp": "pair", "nearswap": "pair", "arcee_fusion": "pair",
 }
 # Methods whose result depends on torch's global RNG (DARE's random drop, DELLA's sampling).
@@ -68,6 +72,9 @@ def _build_registry() -> dict[str, Strategy]:
     from mergekit import merge_methods as mm
     from mergekit.merge_methods.base import ParameterScope
 
+    from opd.merge.subspace import register_methods
+
+    register_methods()  # opd's own mergekit methods (TSV-M, Iso-C, Iso-CTS), so both paths find them
     out = {}
     for method in mm.registered_methods():
         spec = method.spec
