@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.config import load_yaml_model
 from opd.gspo.ds import DeepSpeedFragment
+from opd.tracking import REPORT_TO_HELP, ReportTo
 
 Estimator = Literal["sampled", "full"]
 
@@ -70,6 +71,7 @@ class DistillConfig(BaseModel):
     warmstart_temperature: float = Field(1.0, gt=0, description="teacher sampling temperature for the warm start")
     warmstart_lr: float = Field(1e-3, gt=0, description="AdamW lr of the warm start (cosine to lr_min_ratio)")
     warmstart_batch: int = Field(64, gt=0, description="sequences per warm-start step")
+    report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)
     seed: int = 0
 
     @model_validator(mode="after")

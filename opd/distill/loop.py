@@ -47,6 +47,7 @@ from opd.gspo.loss import group_advantages, gspo_loss, k3_kl, masked_mean
 from opd.io import atomic_torch_save
 from opd.rollout import get_engine
 from opd.schedule import lr_at
+from opd.tracking import Tracker
 
 
 @dataclass
@@ -159,7 +160,7 @@ def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
 
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
 # (e.g. more steps to extend it; not under a cosine schedule, whose every lr depends on `steps`).
-RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit"}
+RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to"}
 
 
 def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix, rng, state: DistillState,
@@ -277,7 +278,8 @@ def _shared(value, world: int):
 def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher], routes: Routes,
             ckpt_path: Path | None = None, *, evaluate_fn: Callable[[object], dict[str, float]] | None = None,
             references: dict[str, float] | None = None, teacher_weights: dict[str, float] | None = None,
-            log=print, progress=None, stop: Callable[[dict], bool] | None = None, wrap=None) -> DistillState:
+            log=print, progress=None, stop: Callable[[dict], bool] | None = None, wrap=None,
+            tracker: Tracker | None = None) -> DistillState:
     """Train `student` in place for `cfg.steps` steps; returns the state with the per-step history.
 
     routes: capability -> {teacher: weight} (see `opd.distill.routing.resolve_routes`).
@@ -287,7 +289,9 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     wrap(model, opt) -> (engine, opt, backward): DeepSpeed (`opd.gspo.ds.deepspeed_wrap`). Each rank
     draws its own `prompts_per_step` prompts and checkpoints to its own file; rank 0 evaluates and
     its keep-best and stop decisions hold on every rank.
+    tracker (opd.tracking): gets every history record, each teacher's KL as kl/<teacher>.
     """
+    tracker = tracker or Tracker()
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -329,6 +333,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
             check(rec)
             log(f"warm start done: min retention {rec['min_retention']:.3f}")
         state.history.append(rec)
+        tracker.log(rec, 0)
         if backward is None:
             opt.state.clear()  # OPD starts with fresh Adam moments (the SFT gradients' scale differs)
         if ckpt_path:
@@ -356,6 +361,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
             check(rec)
         state.elapsed = time.time() - t0
         state.history.append(rec)
+        tracker.log(rec, state.step)
         kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))
         log(f"opd step {state.step}/{cfg.steps}: loss {rec['loss']:.4f} KL {kls}"
             + (f" min retention {rec['min_retention']:.3f}" if "min_retention" in rec else ""))

@@ -17,6 +17,7 @@ from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
 from opd.paths import check_output, require_model_dir
 from opd.rollout import get_engine
+from opd.tracking import Tracker, open_tracker, tracking_dir
 
 
 def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = None, device: str = "cpu"
@@ -134,8 +135,13 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     def screen(m) -> dict[str, float]:
         return {c: s.score for c, s in lm_eval_score(m, tok, caps, "val", limit=run.distill.eval_limit).items()}
 
-    state: DistillState = distill(run.distill, student, tok, teachers, routes, ckpt,
-                                  evaluate_fn=screen if evaluate else None, references=refs, log=log, wrap=wrap)
+    # rank 0 logs the curves, as it writes the student
+    tracker = open_tracker(run.distill.report_to, tracking_dir(out), run.name, run.model_dump(mode="json")) \
+        if rank == 0 else Tracker()
+    with tracker:
+        state: DistillState = distill(run.distill, student, tok, teachers, routes, ckpt,
+                                      evaluate_fn=screen if evaluate else None, references=refs, log=log, wrap=wrap,
+                                      tracker=tracker)
     if rank != 0:
         return {}  # rank 0 writes the student
     if state.best_model is not None and state.best_step != state.step:
@@ -170,7 +176,15 @@ def _already_written(out: Path, run: DistillRun, init_hash: str, manifests: dict
         return None
     m = json.loads(mf.read_text())
     teachers = {n: t.get("content_hash") for n, t in m.get("inputs", {}).get("teachers", {}).items()}
-    same = (m.get("run") == run.model_dump(mode="json") and m.get("student_init_hash") == init_hash
+    same = (_settings(m.get("run")) == _settings(run.model_dump(mode="json")) and m.get("student_init_hash") == init_hash
             and teachers == {n: t["content_hash"] for n, t in manifests.items()}
             and ("min_retention" in m.get("final", {})) == evaluate)
     return m if same else None
+
+
+def _settings(run: dict | None) -> dict | None:
+    """A run's recorded fields less where its curves go (`distill.report_to`, which changes no weights
+    and which manifests written before it existed lack)."""
+    if not run:
+        return run
+    return {**run, "distill": {k: v for k, v in run.get("distill", {}).items() if k != "report_to"}}

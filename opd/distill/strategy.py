@@ -16,6 +16,7 @@ from opd.distill.loop import distill
 from opd.distill.routing import resolve_routes
 from opd.distill.teachers import embedded_teacher
 from opd.io import atomic_write_json
+from opd.tracking import open_tracker, tracking_dir
 
 
 def opd_settings(recipe, cand) -> tuple[DistillConfig, dict[str, float]]:
@@ -46,8 +47,12 @@ def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluat
         model.load_state_dict(sd, strict=False)
         teachers[e] = embedded_teacher(e, inputs.manifests[e].capability, model, inputs.tokenizer)
     routes = resolve_routes({e: t.capability for e, t in teachers.items()}, cfg.routes, weights)
-    state = distill(cfg, student, inputs.tokenizer, teachers, routes, trial_dir / "state.pt",
-                    evaluate_fn=evaluate_fn, references=references, teacher_weights=weights, log=log)
+    # the study's OPD curves side by side: <out>/opd/tb/trial-<n>
+    with open_tracker(cfg.report_to, tracking_dir(trial_dir), f"{recipe.name}/{trial_dir.name}",
+                      cfg.model_dump(mode="json")) as tracker:
+        state = distill(cfg, student, inputs.tokenizer, teachers, routes, trial_dir / "state.pt",
+                        evaluate_fn=evaluate_fn, references=references, teacher_weights=weights, log=log,
+                        tracker=tracker)
     if state.best_model is not None and state.best_step != state.step:
         # the student of the best val retention check, as the standalone run keeps (val is the
         # search's split; the test split only reports)

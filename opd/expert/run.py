@@ -18,6 +18,7 @@ from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.trainer import train
 from opd.io import state_dict_hash, sweep_stale
 from opd.paths import check_output
+from opd.tracking import Tracker, open_tracker, tracking_dir
 
 console = Console(stderr=True)
 
@@ -53,8 +54,12 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
 
         wrap = deepspeed_wrap(spec.gspo.grad_clip, spec.deepspeed)
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console) as bar:
+    # rank 0 logs the curves; the other ranks of a data-parallel run sample their own batches
+    tracker = open_tracker(spec.report_to, tracking_dir(out), spec.expert_name, spec.model_dump(mode="json")) \
+        if int(os.environ.get("RANK", "0")) == 0 else Tracker()
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console)
+    with tracker, bar:
         task = bar.add_task(f"GSPO {spec.expert_name}", total=spec.steps, info="")
 
         def progress(state, rec):
@@ -65,7 +70,8 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
                 info += f" val {rec['val']:.2f}"
             bar.update(task, completed=state.step, info=info)
 
-        state = train(spec, model, tok, ckpt, evaluate_fn=screen, log=console.print, progress=progress, wrap=wrap)
+        state = train(spec, model, tok, ckpt, evaluate_fn=screen, log=console.print, progress=progress, wrap=wrap,
+                      tracker=tracker)
     if int(os.environ.get("RANK", "0")) != 0:
         return {}  # rank 0 scores and writes the expert
     manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print)

@@ -11,6 +11,7 @@ from opd.capabilities import get_capability
 from opd.config import load_yaml_model
 from opd.gspo.ds import DeepSpeedFragment
 from opd.paths import NAME_PATTERN
+from opd.tracking import REPORT_TO_HELP, ReportTo
 
 
 class GSPOConfig(BaseModel):
@@ -67,6 +68,8 @@ class ExpertSpec(BaseModel):
     score_capabilities: list[str] | None = Field(None, description="capabilities for the final matrix; default: the base's")
     deepspeed: DeepSpeedFragment = Field(None, description="DeepSpeed config (e.g. {zero_optimization: {stage: 2}}); None = plain torch")
     threads: int = Field(2, gt=0, description="torch CPU threads")
+    report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP + " (changes no weights: not part "
+                                "of the spec's identity)")
 
 
     @model_validator(mode="after")
@@ -83,9 +86,11 @@ class ExpertSpec(BaseModel):
 
 def same_spec(stored: dict | None, spec: ExpertSpec) -> bool:
     """Whether a spec recorded in a manifest or checkpoint is `spec`. The stored one is validated
-    through today's model first, so a field added since (with its default) changes nothing."""
+    through today's model first, so a field added since (with its default) changes nothing; nor does
+    where the curves go (`report_to`)."""
     try:
-        return stored is not None and ExpertSpec.model_validate(stored) == spec
+        return stored is not None and \
+            ExpertSpec.model_validate(stored).model_copy(update={"report_to": spec.report_to}) == spec
     except Exception:
         return False
 

@@ -25,6 +25,7 @@ from opd.gspo.loss import group_advantages, gspo_loss, truncated_is_weights
 from opd.io import atomic_torch_save
 from opd.io import load_checkpoint as read_checkpoint
 from opd.rollout import SamplingParams, get_engine
+from opd.tracking import Tracker
 
 
 @dataclass
@@ -147,12 +148,13 @@ def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec, log
 
 
 def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, log=print,
-          progress=None, wrap=None) -> RunState:
+          progress=None, wrap=None, tracker: Tracker | None = None) -> RunState:
     """Run GSPO until `steps` or `max_minutes`; returns the state holding the best model.
 
     `evaluate_fn(model) -> float` screens on validation; `wrap(model, opt) -> (model, opt, backward)`
-    swaps in a DeepSpeed engine.
+    swaps in a DeepSpeed engine; `tracker` (opd.tracking) gets every history record.
     """
+    tracker = tracker or Tracker()
     g = spec.gspo
     cap = get_capability(spec.capability)
     # fused: one kernel for every parameter instead of a dozen ops each (tiny models are all overhead)
@@ -169,6 +171,7 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         state.best_score = evaluate_fn(model)
         state.best_model = copy.deepcopy(model.state_dict())
         log(f"step 0: val {spec.capability} = {state.best_score:.3f}")
+        tracker.log({"val": state.best_score}, 0)
     else:
         log(f"resuming {spec.expert_name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
     backward = None
@@ -211,6 +214,7 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
                 f"ratio [{rec.get('ratio_min', 1):.4f}, {rec.get('ratio_max', 1):.4f}] T {state.temperature:.2f} "
                 f"{state.elapsed / 60 if state.elapsed else (time.time() - t0) / 60:.1f} min")
         state.history.append(rec)
+        tracker.log(rec, state.step)
         state.elapsed = time.time() - t0
         if progress:
             progress(state, rec)

@@ -22,6 +22,7 @@ from opd.lab.data import MixtureStream, encode_sft
 from opd.lab.model import ModelShape, build_model
 from opd.lab.tokenizer import build_char_tokenizer
 from opd.schedule import lr_at
+from opd.tracking import REPORT_TO_HELP, ReportTo, open_tracker, tracking_dir
 
 DEFAULT_SPEC = Path(__file__).with_name("base.yaml")
 
@@ -47,6 +48,7 @@ class BaseSpec(BaseModel):
     eval_limit: int = Field(100, gt=0, description="validation items per capability when screening")
     band: tuple[float, float] = Field((0.12, 0.55), description="target score band for the kept base")
     threads: int = Field(2, gt=0, description="torch CPU threads")
+    report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)
 
     @model_validator(mode="after")
     def _check(self):
@@ -66,7 +68,7 @@ class BaseSpec(BaseModel):
 
     def training_fields(self) -> dict:
         """The fields that determine the weights (reporting fields excluded): the build cache key."""
-        return self.model_dump(mode="json", exclude={"scored"})
+        return self.model_dump(mode="json", exclude={"scored", "report_to"})
 
 
 def same_training(stored: dict | None, spec: BaseSpec) -> bool:
@@ -114,33 +116,36 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
         log(f"resuming base build at step {state['step']}")
     t0 = time.time() - state["elapsed"]
     model.train()
-    while state["step"] < spec.steps:
-        step = state["step"]
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.lr_floor)
-        batch = encode_sft(tok, stream.next_batch(spec.batch_size))
-        loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        state["step"] = step + 1
-        if progress:
-            progress(state["step"], spec.steps, loss.item())
-        if state["step"] % spec.eval_every == 0 or state["step"] == spec.steps:
-            scores = {c: s.score for c, s in evaluate(model, tok, spec.capabilities, "val", limit=spec.eval_limit).items()}
-            key = band_key(scores, spec.band)
-            state["history"].append({"step": state["step"], "loss": loss.item(), "val": scores,
-                                     "in_band": key[0], "time": time.time() - t0})
-            if state["best"] is None or key > tuple(state["best"]["key"]):
-                state["best"] = {"key": list(key), "step": state["step"], "val": scores,
-                                 "model": copy.deepcopy(model.state_dict())}
-            log(f"step {state['step']}: loss {loss.item():.3f}, in band {key[0]}/{len(scores)} "
-                + " ".join(f"{c}={s:.2f}" for c, s in scores.items()))
-            state["elapsed"] = time.time() - t0
-            atomic_torch_save({"spec": spec.training_fields(), "model": model.state_dict(),
-                               "optim": opt.state_dict(), "stream": stream.state(),
-                               "torch_rng": torch.get_rng_state(), "state": state}, ckpt_path, keep_previous=True)
+    with open_tracker(spec.report_to, tracking_dir(out), spec.name, spec.model_dump(mode="json")) as tracker:
+        while state["step"] < spec.steps:
+            step = state["step"]
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.lr_floor)
+            batch = encode_sft(tok, stream.next_batch(spec.batch_size))
+            loss = model(**batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            state["step"] = step + 1
+            tracker.log({"loss": loss.item(), "lr": opt.param_groups[0]["lr"]}, state["step"])
+            if progress:
+                progress(state["step"], spec.steps, loss.item())
+            if state["step"] % spec.eval_every == 0 or state["step"] == spec.steps:
+                scores = {c: s.score for c, s in evaluate(model, tok, spec.capabilities, "val", limit=spec.eval_limit).items()}
+                key = band_key(scores, spec.band)
+                state["history"].append({"step": state["step"], "loss": loss.item(), "val": scores,
+                                         "in_band": key[0], "time": time.time() - t0})
+                tracker.log({"val": scores, "in_band": key[0]}, state["step"])
+                if state["best"] is None or key > tuple(state["best"]["key"]):
+                    state["best"] = {"key": list(key), "step": state["step"], "val": scores,
+                                     "model": copy.deepcopy(model.state_dict())}
+                log(f"step {state['step']}: loss {loss.item():.3f}, in band {key[0]}/{len(scores)} "
+                    + " ".join(f"{c}={s:.2f}" for c, s in scores.items()))
+                state["elapsed"] = time.time() - t0
+                atomic_torch_save({"spec": spec.training_fields(), "model": model.state_dict(),
+                                   "optim": opt.state_dict(), "stream": stream.state(),
+                                   "torch_rng": torch.get_rng_state(), "state": state}, ckpt_path, keep_previous=True)
     best = state["best"]
     model.load_state_dict(best["model"])
     model.eval()
