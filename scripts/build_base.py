@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from opd.config import parse_overrides
+from opd.console import add_verbose_flag, quiet_third_party
 from opd.errors import cli_main
 
 
@@ -19,7 +20,9 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/base", help="output HF model directory")
     ap.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=200 threads=1")
+    add_verbose_flag(ap)
     args = ap.parse_args(argv)
+    quiet_third_party(args.verbose)
 
     from opd.lab.run import build_and_report
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from opd.console import add_verbose_flag, quiet_third_party
 from opd.errors import cli_main
 
 
@@ -24,9 +25,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=None, help="seed of the base's pre-training and of every expert "
                     "(default: the specs' own); another seed builds another lab, e.g. to check a result is not one "
                     "lucky draw")
+    add_verbose_flag(ap)
     args = ap.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         ap.error("--jobs: give 1 or more")
+    quiet_third_party(args.verbose)  # the expert runs it starts follow (OPD_VERBOSE)
 
     from opd.lab.pipeline import run_lab
 

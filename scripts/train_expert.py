@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from opd.config import parse_overrides
+from opd.console import add_verbose_flag, quiet_third_party
 from opd.errors import cli_main, naming_file
 
 
@@ -23,7 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="output directory (default: experts/<name>)")
     ap.add_argument("--fresh", action="store_true",
                     help="start over: ignore a checkpoint, and train a new version even if this spec's expert exists")
+    add_verbose_flag(ap)
     args = ap.parse_args(argv)
+    quiet_third_party(args.verbose)
 
     from opd.expert.run import run_expert
     from opd.expert.spec import load_expert_spec

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from opd.console import add_verbose_flag, quiet_third_party
 from opd.errors import cli_main
 
 
@@ -18,7 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. distill.steps=20")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
     ap.add_argument("--no-eval", action="store_true", help="skip the lm-eval retention checks")
+    add_verbose_flag(ap)
     args = ap.parse_intermixed_args(argv)
+    quiet_third_party(args.verbose)
 
     import sys
 

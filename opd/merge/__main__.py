@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from opd.console import add_verbose_flag, quiet_third_party
 from opd.errors import cli_main
 
 
@@ -15,7 +16,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worker", action="store_true", help="join a shared study (RDB storage) as one more worker")
     ap.add_argument("--no-live", action="store_true", help="no live progress table")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. budget.n_trials=20")
+    add_verbose_flag(ap)
     args = ap.parse_args(argv)
+    quiet_third_party(args.verbose)
 
     from opd.errors import naming_file
     from opd.merge import load_recipe, run_recipe
