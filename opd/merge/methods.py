@@ -1,7 +1,7 @@
 """Merge strategies: mergekit's methods, keyed by mergekit's name, run in memory or as a YAML
-(mergekit's own, plus opd's subspace methods `tsv_m`, `iso_c`, `iso_cts` from opd.merge.subspace,
-registered with mergekit when this module is imported: a separate `mergekit-yaml` process does
-not know them, `run_mergekit` here does);
+(mergekit's own, plus opd's subspace methods `tsv_m`, `iso_c`, `iso_cts` from opd.merge.subspace
+and the data-aware `regmean` from opd.merge.regmean, registered with mergekit when this module is
+imported: a separate `mergekit-yaml` process does not know them, `run_mergekit` here does);
 and on-policy distillation (OPD) strategies that train a student from the experts as teachers.
 
 A candidate is one method plus concrete parameters. The same candidate becomes either an
@@ -35,6 +35,7 @@ _INPUTS = {
     "sce": "base+experts", "ram": "base+experts", "ramplus_tl": "base+experts",
     "nuslerp": "base+experts",
     "tsv_m": "base+experts", "iso_c": "base+experts", "iso_cts": "base+experts",  # opd.merge.subspace
+    "regmean": "experts",  # opd.merge.regmean
     "slerp": "pair", "nearswap": "pair", "arcee_fusion": "pair",
 }
 # Methods whose result depends on torch's global RNG (DARE's random drop, DELLA's sampling).
@@ -72,9 +73,10 @@ def _build_registry() -> dict[str, Strategy]:
     from mergekit import merge_methods as mm
     from mergekit.merge_methods.base import ParameterScope
 
-    from opd.merge.subspace import register_methods
+    from opd.merge import regmean, subspace
 
-    register_methods()  # opd's own mergekit methods (TSV-M, Iso-C, Iso-CTS), so both paths find them
+    subspace.register_methods()  # opd's own mergekit methods, so both paths find them
+    regmean.register_methods()
     out = {}
     for method in mm.registered_methods():
         spec = method.spec
@@ -268,6 +270,7 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
     """
     cand = _weight_space(cand)
+    _prepare(cand.strategy, expert_paths, cand.shared)
     if cand.strategy not in RANDOM_METHODS:
         return merge_in_memory(cand, base_sd, expert_sds)
     import tempfile
@@ -289,6 +292,15 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
     from mergekit.options import MergeOptions
 
     cfg = MergeConfiguration.model_validate(config)
+    _prepare(config["merge_method"], {m["model"]: m["model"] for m in config.get("models", [])}, config.get("parameters"))
     # no model card for a search's temporary merge: writing one looks its inputs up on the Hub
     run_merge(cfg, out_dir, options=MergeOptions(device="cpu", random_seed=seed, quiet=True,
                                                  copy_tokenizer=copy_tokenizer, write_model_card=copy_tokenizer))
+
+
+def _prepare(method: str, paths: dict[str, str], shared: dict | None) -> None:
+    """Data-aware methods (RegMean's Gram matrices) read their inputs' directories before merging."""
+    from opd.merge.regmean import PREPARE
+
+    if method in PREPARE:
+        PREPARE[method](paths, shared or {})
