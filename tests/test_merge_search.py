@@ -54,8 +54,10 @@ def test_search_writes_matrix_report_and_best_model(run):
     assert {"base", "expert add", "expert rev"} <= rows
     assert {"score", "stderr", "retention", "delta_vs_base", "n"} <= set(cells[0])
     for name in ("report.md", "report.html", "retention_heatmap.png", "pareto_front.png", "strategy_best.png",
-                 "search_history.png", "results.json"):
+                 "search_history.png", "weightspace_cosine.png", "results.json"):
         assert (out / name).stat().st_size > 0, name
+    ws = summary["weightspace"]  # 2 experts, one pair: task-vector cosine per layer group
+    assert ws["experts"] == ["add", "rev"] and "## Weight-space interference" in (out / "report.md").read_text()
     best = out / "best"
     card = (best / "README.md").read_text()
     assert "mergekit-yaml" in card and "score (test)" in card and recipe.name in card
@@ -95,7 +97,7 @@ window.addEventListener('load', () => {
 });</script></body>"""))
     dom = subprocess.run(flags + ["--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
                          capture_output=True, text=True, timeout=60).stdout
-    assert "imgs=4 ok=true" in dom, dom[:300]
+    assert "imgs=7 ok=true" in dom, dom[:300]  # 4 plots and 3 weight-space heatmaps
     assert "cells=0" not in dom and "<table" in dom and "data:image/png;base64," in dom
 
 

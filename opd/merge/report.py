@@ -152,6 +152,50 @@ def plot_all(summary: dict, matrix: dict) -> dict[str, bytes]:
     return plots
 
 
+WEIGHTSPACE_TITLES = {"cosine": "task-vector cosine", "sign_conflict": "sign-conflict rate",
+                      "norm_ratio": "norm ratio ||τ_row|| / ||τ_col||"}
+WEIGHTSPACE_HOWTO = ("Each panel compares the experts' task vectors (expert − base) in one layer group: cosine near 0 "
+                     "means two experts changed unrelated directions, which merges keep; a negative cosine or a "
+                     "sign-conflict rate above 0.5 means they pulled the same weights opposite ways, and a norm ratio "
+                     "far from 1 means the row's expert moved that group much more than the column's and will "
+                     "dominate it in a merge, so look here for the pair and layers behind a capability the "
+                     "interference matrix shows as lost.")
+
+
+def weightspace_plots(ws: dict) -> dict[str, bytes]:
+    """One PNG per metric of `summary["weightspace"]`: an expert x expert heatmap per layer group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, groups = ws["experts"], ws["groups"]
+    n = len(names)
+    plots = {}
+    for metric, title in WEIGHTSPACE_TITLES.items():
+        fig, axes = plt.subplots(1, len(groups), figsize=(0.6 + (1.0 + 0.35 * n) * len(groups), 1.0 + 0.35 * n),
+                                 squeeze=False)
+        for ax, g in zip(axes[0], groups, strict=True):
+            vals = [[math.nan if v is None else v for v in row] for row in ws[metric][g]]
+            # The norm ratio is reciprocal (r_ji = 1/r_ij): coloured on a log2 scale so 2x and 0.5x look alike.
+            shown = [[math.log2(v) if v > 0 else math.nan for v in row] for row in vals] \
+                if metric == "norm_ratio" else vals
+            lim = {"cosine": (-1, 1), "sign_conflict": (0, 1)}.get(metric, (-2, 2))
+            cmap = "Reds" if metric == "sign_conflict" else "coolwarm"
+            im = ax.imshow(shown, cmap=cmap, vmin=lim[0], vmax=lim[1])
+            ax.set_xticks(range(n), names, rotation=90, fontsize=7)
+            ax.set_yticks(range(n), names if ax is axes[0][0] else [""] * n, fontsize=7)
+            ax.set_title(g, fontsize=9)
+            if n <= 6:  # more numbers than that hide each other
+                for i, row in enumerate(vals):
+                    for j, v in enumerate(row):
+                        ax.text(j, i, "" if math.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=6)
+        fig.colorbar(im, ax=list(axes[0]), label="log2 norm ratio" if metric == "norm_ratio" else title, shrink=0.8)
+        fig.suptitle(title)
+        plots[f"weightspace_{metric}"] = _png(fig)
+    return plots
+
+
 def _retention_vs_tokens(plt, summary: dict, opd: list[dict]) -> bytes:
     """Min val retention at each retention check against the tokens the student trained on (its own
     samples, plus the teacher samples of an off-policy warm start), one line per distillation trial;
@@ -244,6 +288,10 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
     intro = (f"Recipe `{recipe.name}`: {len(summary['trials'])} finished trials ({n_full} scored on the full val "
              f"split), objectives {', '.join(summary['objectives'])}. Best (chosen on val): **{summary['best']}**. "
              "Retention = candidate score / the capability's expert score on the same split.")
+    ws = summary.get("weightspace") if len(summary["inputs"]["experts"]) >= 2 else None
+    ws_plots = weightspace_plots(ws) if ws else {}
+    for name, png in ws_plots.items():
+        (out / f"{name}.png").write_bytes(png)
     changed = summary.get("what_changed")
     changed_md = what_changed_md(changed) if changed else ""
     head_md = headline(summary)
@@ -251,13 +299,16 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
         f"# Merge report: {recipe.name}", "## Headline", head_md, *(["## What changed", changed_md] if changed else []), intro, "## Final candidates", "\n".join(final_lines),
         "## Interference matrix (test)", _md_table(matrix["test"], "test"),
         "## Interference matrix (val)", _md_table(matrix["val"], "val"),
+        *(["## Weight-space interference", WEIGHTSPACE_HOWTO, "\n".join(f"![{n}]({n}.png)" for n in ws_plots)]
+          if ws_plots else []),
         *(["## On-policy distillation runs", _opd_md(summary)] if opd_trials(summary) else []),
         "## Plots", "\n".join(f"![{n}]({n}.png)" for n in plots),
         "## Inputs", "```json\n" + _json(summary["inputs"]) + "\n```",
     ]) + "\n"
     atomic_write_text(out / "report.md", md)
-    imgs = "".join(f'<figure><img alt="{n}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
-                   f"<figcaption>{n.replace('_', ' ')}</figcaption></figure>" for n, p in plots.items())
+    imgs = _html_figures(plots)
+    ws_html = (f"<h2>Weight-space interference</h2><p>{html.escape(WEIGHTSPACE_HOWTO)}</p>{_html_figures(ws_plots)}"
+               if ws_plots else "")
     finals = "".join(f"<li><b>{html.escape(label)}</b>: <code>{html.escape(v['label'])}</code></li>"
                      for label, v in summary["final"].items())
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>merge report: {html.escape(recipe.name)}</title>
@@ -267,11 +318,16 @@ td,th{{border:1px solid #999;padding:4px 8px;text-align:center}} figure{{display
 {_md_html("What changed", changed_md)}
 <p>{_inline_md(intro)}</p>
 <h2>Final candidates</h2><ul>{finals}</ul>
-<h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}{_opd_html(summary)}
+<h2>Interference</h2>{_html_table(matrix["test"], "test")}{_html_table(matrix["val"], "val")}{ws_html}{_opd_html(summary)}
 <h2>Plots</h2>{imgs}<h2>Inputs</h2><pre>{html.escape(_json(summary["inputs"]))}</pre></body></html>
 """
     atomic_write_text(out / "report.html", page)
     return out / "report.html"
+
+
+def _html_figures(plots: dict[str, bytes]) -> str:
+    return "".join(f'<figure><img alt="{n}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
+                   f"<figcaption>{n.replace('_', ' ')}</figcaption></figure>" for n, p in plots.items())
 
 
 def expert_rows(summary: dict) -> dict[str, str]:

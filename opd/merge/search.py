@@ -33,6 +33,7 @@ from opd.merge.interference import (
 )
 from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate, merge_part
 from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
+from opd.merge.weightspace import weightspace_interference
 from opd.paths import check_output, redact_url
 
 # What an existing run directory of a merge recipe holds (one of them at least).
@@ -483,6 +484,8 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         "scorer_calls": scorer.calls,
         "stages": _stage_minutes(recipe, study, t_search - t0, t_final - t_search, time.time() - t_final),
     }
+    if len(inputs.expert_sds) >= 2:  # the report's weight-space heatmaps: why a capability was lost
+        summary["weightspace"] = weightspace_interference(inputs.base_sd, inputs.expert_sds)
     if prev is not None:
         summary["what_changed"] = history.what_changed(prev, summary)
     best_dir = save_best_model(recipe, inputs, best_cand, merge(inputs, best_cand, recipe, best_trial), summary)
