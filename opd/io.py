@@ -112,14 +112,15 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def atomic_torch_save(obj, path: str | os.PathLike, keep_previous: bool = False) -> None:
-    """`keep_previous`: the file being replaced stays as `previous_path(path)`, for `load_checkpoint`
-    to fall back to if the new one turns out unreadable."""
+def atomic_write_file(path: str | os.PathLike, write, keep_previous: bool = False) -> None:
+    """`write(tmp_path)` writes the file's content to a temp path beside `path`, which is then fsynced
+    and renamed over `path`. `keep_previous`: the file being replaced stays as `previous_path(path)`,
+    for `load_checkpoint` to fall back to if the new one turns out unreadable."""
     path = Path(path)
     fd, tmp = _temp_file(path)
     os.close(fd)
     try:
-        torch.save(obj, tmp)
+        write(tmp)
         fsync_path(tmp)
         if keep_previous and path.exists():
             os.replace(path, previous_path(path))
@@ -129,6 +130,37 @@ def atomic_torch_save(obj, path: str | os.PathLike, keep_previous: bool = False)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_torch_save(obj, path: str | os.PathLike, keep_previous: bool = False) -> None:
+    atomic_write_file(path, lambda tmp: torch.save(obj, tmp), keep_previous)
+
+
+def atomic_save_safetensors(tensors: dict, path: str | os.PathLike) -> None:
+    from safetensors.torch import save_file
+
+    atomic_write_file(path, lambda tmp: save_file(tensors, tmp))
+
+
+@contextlib.contextmanager
+def exclusive_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Hold an exclusive lock on directory `path` (an flock on `<path>/.lock`, released when the
+    process dies): two processes never train into the same directory. Raises RuntimeError at once
+    when another process holds it."""
+    import fcntl
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{path} is in use by another process (it holds {path / '.lock'}); "
+                               "wait for it to finish") from None
+        yield path
+    finally:
+        os.close(fd)
 
 
 def previous_path(path: Path) -> Path:

@@ -15,7 +15,7 @@ from opd.distill.config import DistillConfig
 from opd.distill.loop import distill
 from opd.distill.routing import resolve_routes
 from opd.distill.teachers import embedded_teacher
-from opd.io import atomic_write_json
+from opd.io import atomic_save_safetensors, atomic_write_json, exclusive_dir
 from opd.tracking import open_tracker, tracking_dir
 
 
@@ -31,13 +31,21 @@ def opd_settings(recipe, cand) -> tuple[DistillConfig, dict[str, float]]:
 def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluate_fn=None,
                 references: dict[str, float] | None = None, log=lambda *_: None) -> tuple[dict, list[dict]]:
     """Distil the experts into a student starting from `init_sd`; returns (state dict, history)."""
-    from safetensors.torch import load_file, save_file
-
-    from opd.merge.recipe import merge_keys
+    from safetensors.torch import load_file
 
     weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
     if weights_file.exists() and history_file.exists():
         return load_file(weights_file), json.loads(history_file.read_text())
+    with exclusive_dir(trial_dir):  # a requeued trial never trains beside a live original
+        if weights_file.exists() and history_file.exists():  # it finished while we waited to look
+            return load_file(weights_file), json.loads(history_file.read_text())
+        return _train_student(inputs, cand, recipe, init_sd, trial_dir, evaluate_fn, references, log)
+
+
+def _train_student(inputs, cand, recipe, init_sd, trial_dir: Path, evaluate_fn, references, log):
+    from opd.merge.recipe import merge_keys
+
+    weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
     cfg, weights = opd_settings(recipe, cand)
     student = copy.deepcopy(inputs.base_model)
     student.load_state_dict(init_sd, strict=False)  # tied lm_head follows the embedding
@@ -60,7 +68,8 @@ def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluat
         student.load_state_dict(state.best_model)
     sd = {k: v.detach().clone().contiguous() for k, v in merge_keys(student.state_dict()).items()}
     trial_dir.mkdir(parents=True, exist_ok=True)
-    save_file(sd, weights_file)
+    # history last: the pair is complete only once both exist, and each lands whole
+    atomic_save_safetensors(sd, weights_file)
     atomic_write_json(history_file, state.history)
     (trial_dir / "state.pt").unlink(missing_ok=True)
     return sd, state.history
