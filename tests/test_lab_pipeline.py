@@ -37,6 +37,23 @@ def test_run_parallel_names_the_failed_runs(tmp_path):
         run_parallel(cmds, 2, tmp_path / "logs")
 
 
+STEPPER = """
+import sys, time
+for i in range(1, 4):
+    print(f"step {i}: val 0.{i} (best 0.{i}@{i}) reward 0.5", flush=True)
+    time.sleep(0.4)
+"""
+
+
+def test_run_parallel_prints_progress_lines_when_not_a_terminal(tmp_path, capsys):
+    """Under CI or nohup (no terminal) the stage is not silent: every `every` seconds each running
+    expert's last `step ...` line, and each finish."""
+    run_parallel({n: [sys.executable, "-c", STEPPER] for n in ("add", "rev")}, 2, tmp_path / "logs", every=0.5)
+    err = capsys.readouterr().err
+    assert "add: running" in err and "| step " in err and "(best 0." in err
+    assert "add: done" in err and "rev: done" in err
+
+
 def test_unknown_stage_is_refused():
     with pytest.raises(OpdError, match="unknown stage"):
         run_lab("merge_recipes/lab.yaml", ["experts", "distil"])

@@ -13,27 +13,83 @@ STAGES = ("base", "experts", "merge")
 console = Console(stderr=True)
 
 
-def run_parallel(cmds: dict[str, list[str]], jobs: int, log_dir: Path) -> None:
+def run_parallel(cmds: dict[str, list[str]], jobs: int, log_dir: Path, every: float = 30.0) -> None:
     """Run each named command as a subprocess, at most `jobs` at a time, its output in
-    log_dir/<name>.log; raises OpdError naming every command that failed, with its log's tail."""
+    log_dir/<name>.log; raises OpdError naming every command that failed, with its log's tail.
+
+    While they run: on a terminal, one live table (each run's state, elapsed minutes and the last
+    `step ...` line of its log); otherwise (CI, nohup) those lines printed every `every` seconds."""
     import subprocess
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     log_dir.mkdir(parents=True, exist_ok=True)
+    state = {n: "queued" for n in cmds}
+    started: dict[str, float] = {}
 
-    def run(name: str) -> tuple[str, int]:
+    def run(name: str) -> int:
+        started[name], state[name] = time.time(), "running"
         with open(log_dir / f"{name}.log", "wb") as out:
-            return name, subprocess.run(cmds[name], stdout=out, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(cmds[name], stdout=out, stderr=subprocess.STDOUT).returncode
+        state[name] = "done" if rc == 0 else f"FAILED (exit {rc})"
+        return rc
 
-    failed = []
+    def line(name: str) -> str:
+        mins = f"{(time.time() - started[name]) / 60:4.1f} min" if name in started else ""
+        return f"{name}: {state[name]} {mins} {_last_step(log_dir / f'{name}.log')}".rstrip()
+
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for name, rc in pool.map(run, cmds):
-            console.print(f"{name}: {'done' if rc == 0 else f'FAILED (exit {rc})'} ({log_dir / name}.log)")
-            if rc != 0:
-                failed.append(name)
+        futures = {n: pool.submit(run, n) for n in cmds}
+        reported: set[str] = set()
+
+        def report_finished() -> None:
+            for n, f in futures.items():
+                if f.done() and n not in reported:
+                    reported.add(n)
+                    console.print(f"{n}: {state[n]} ({log_dir / n}.log)")
+
+        if console.is_terminal:
+            from rich.live import Live
+
+            with Live(_table(cmds, line), console=console, refresh_per_second=1, transient=True) as live:
+                while not all(f.done() for f in futures.values()):
+                    time.sleep(1)
+                    live.update(_table(cmds, line))
+            report_finished()
+        else:
+            last = time.time()
+            while not all(f.done() for f in futures.values()):
+                time.sleep(min(1.0, every))
+                report_finished()
+                if time.time() - last >= every:
+                    last = time.time()
+                    for n in cmds:
+                        if state[n] == "running":
+                            console.print(line(n))
+            report_finished()
+    failed = [n for n in cmds if state[n] != "done"]
     if failed:
         tails = "; ".join(f"{n}: {_last_line(log_dir / f'{n}.log')}" for n in failed)
         raise OpdError(f"{len(failed)} of {len(cmds)} expert runs failed ({tails}); rerun to resume them")
+
+
+def _table(cmds, line):
+    from rich.table import Table
+
+    t = Table(title="experts", show_header=False, box=None)
+    for n in cmds:
+        t.add_row(line(n))
+    return t
+
+
+def _last_step(path: Path) -> str:
+    """The last progress line (`step ...`) of a log, shortened; empty before there is one."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    steps = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("step ")]
+    return ("| " + steps[-1][:100]) if steps else ""
 
 
 def _last_line(path: Path) -> str:
