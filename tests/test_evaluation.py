@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +101,15 @@ def test_lm_eval_cli_equals_api(trained_pico_dir, tmp_path):
 def test_generated_tasks_for_other_capabilities(tmp_path):
     d = write_tasks(tmp_path / "tasks", ["rg:basic_arithmetic"])
     assert (d / "opd_rg_basic_arithmetic_val.yaml").exists()
+
+
+def test_generated_tasks_are_written_once_into_the_cache():
+    """Capabilities without shipped task YAMLs get one generated include dir per capability set, in
+    the eval cache: the same dir every call (no temp dir left per evaluation)."""
+    a = api._include_path(["rg:basic_arithmetic"])
+    assert a == api._include_path(["rg:basic_arithmetic"]) and a.startswith(str(api.cache_dir().parent))
+    assert (Path(a) / "opd_rg_basic_arithmetic_test.yaml").exists()
+    assert api._include_path(["count"]) == str(REPO_EVALS)
 
 
 def test_bad_split_is_user_error(pico_model, tokenizer):

@@ -123,6 +123,22 @@ def test_sync_weights_saves_then_updates(engine, stub, pico_model, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_sync_weights_temp_copy_is_removed_with_the_client(stub, pico_model, tokenizer):
+    """Without a weights_dir the policy is saved to a temp dir (a full model copy per client): it
+    goes when the client does, not left in /tmp."""
+    import gc
+
+    from opd.rollout.sglang import SGLangEngine
+
+    client = SGLangEngine(stub.url, tokenizer, model=pico_model)
+    client.sync_weights(pico_model)
+    d = client.weights_dir
+    assert (d / "config.json").exists()
+    del client
+    gc.collect()
+    assert not d.exists()
+
+
 def test_errors_are_one_line_opd_errors(stub, tokenizer, engine):
     assert health(stub.url)
     with pytest.raises(OpdError, match="HTTP 400"):

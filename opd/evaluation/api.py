@@ -8,7 +8,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,7 +17,15 @@ import torch
 from opd.capabilities import EVAL_SPLITS, get_capability
 from opd.errors import OpdError
 from opd.evaluation.heldout import SPLIT_SIZES
-from opd.evaluation.tasks import REPO_EVALS, task_name, write_tasks
+from opd.evaluation.tasks import (
+    REPO_EVALS,
+    TEMPLATE_NAME,
+    UTILS_PY,
+    task_name,
+    task_yaml,
+    template_yaml,
+    write_tasks,
+)
 from opd.io import atomic_write_json, state_dict_hash
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,8 +47,16 @@ def cache_dir() -> Path:
 def _include_path(capabilities: list[str]) -> str:
     if all((REPO_EVALS / f"{task_name(c, 'test')}.yaml").exists() for c in capabilities):
         return str(REPO_EVALS)
-    # Capabilities without shipped YAMLs (e.g. reasoning-gym ones) get generated tasks.
-    return str(write_tasks(tempfile.mkdtemp(prefix="opd-tasks-"), capabilities))
+    # Capabilities without shipped YAMLs (e.g. reasoning-gym ones) get generated tasks, written once
+    # per capability set into the eval cache (not a new temp dir per call, which nothing removed).
+    from opd.io import atomic_dir, text_hash
+
+    content = template_yaml() + UTILS_PY + "".join(task_yaml(c, s) for c in sorted(capabilities) for s in EVAL_SPLITS)
+    d = cache_dir().parent / "tasks" / text_hash(content)
+    if not (d / TEMPLATE_NAME).exists():
+        with atomic_dir(d) as tmp:
+            write_tasks(tmp, capabilities)
+    return str(d)
 
 
 def evaluate(

@@ -38,6 +38,7 @@ import http.client
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -308,6 +310,8 @@ class SGLangEngine:
         else:
             if self.weights_dir is None:
                 self.weights_dir = Path(tempfile.mkdtemp(prefix="opd-sglang-weights-"))
+                # a full model copy: removed with this client (or at exit), not left behind in /tmp
+                weakref.finalize(self, shutil.rmtree, self.weights_dir, True)
             model.save_pretrained(self.weights_dir)
             path = self.weights_dir
         try:
