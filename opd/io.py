@@ -171,6 +171,12 @@ def load_checkpoint(path: str | os.PathLike, log=print, safe_globals: list | Non
     """The newest readable checkpoint of `path` and its previous version (`keep_previous`), or None.
     A torn or empty file (killed mid-write on a filesystem without ordering, a full disk) is skipped
     with a one-line warning instead of stopping the run until someone deletes it."""
+    return next(readable_checkpoints(path, log, safe_globals), None)
+
+
+def readable_checkpoints(path: str | os.PathLike, log=print, safe_globals: list | None = None) -> Iterator[dict]:
+    """`path`'s checkpoint, then its previous version, each only if it can be read (see
+    `load_checkpoint`); several ranks pick the latest step they all hold from these."""
     path = Path(path)
     for p in (path, previous_path(path)):
         if not p.exists():
@@ -180,12 +186,11 @@ def load_checkpoint(path: str | os.PathLike, log=print, safe_globals: list | Non
                 ck = torch.load(p, weights_only=True)
             if not isinstance(ck, dict):
                 raise TypeError(f"holds a {type(ck).__name__}, not a checkpoint")
-            return ck
+            yield ck
         except Exception as e:  # EOFError, RuntimeError (torn zip), UnpicklingError, ...
             first = (str(e).strip().splitlines() or [""])[0][:120]
             fallback = "trying the previous one" if p == path and previous_path(path).exists() else "starting fresh"
             log(f"warning: checkpoint {p} is unreadable ({type(e).__name__}: {first}); {fallback}")
-    return None
 
 
 def state_dict_hash(model_or_sd) -> str:

@@ -254,6 +254,30 @@ def test_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path, toke
     assert loop.resume_checkpoint(path, cfg) is None
 
 
+def test_gspo_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path, tokenizer, monkeypatch):
+    """GSPO ranks agree as OPD's do: this rank holds steps 1 and 2, the other (killed between the two
+    ranks' saves) only step 1, so this rank resumes step 1; one rank alone takes its newest."""
+    import random
+
+    from opd.expert.spec import ExpertSpec
+    from opd.gspo import trainer
+    from opd.lab.model import build_model
+    from opd.lab.pico import PICO
+
+    spec = ExpertSpec(capability="count", deepspeed=ZERO2)
+    model = build_model(PICO, tokenizer, seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    path = tmp_path / "state.pt"
+    for step in (1, 2):
+        trainer.save_checkpoint(path, model, opt, trainer.RunState(step=step), random.Random(0), spec)
+    monkeypatch.setattr(trainer, "common_step", lambda steps: max(set(steps) & {1}, default=None))
+    state, _ = trainer.load_checkpoint(path, model, random.Random(0), spec, world=2)
+    assert state.step == 1
+    assert trainer.load_checkpoint(path, model, random.Random(0), spec)[0].step == 2
+    monkeypatch.setattr(trainer, "common_step", lambda steps: None)  # no step in common: start fresh
+    assert trainer.load_checkpoint(path, model, random.Random(0), spec, world=2) is None
+
+
 @pytest.mark.parametrize("override, says", [
     ("deepspeed.zero_optimization.stage=3", "zero_optimization.stage: 3"),
     ("deepspeed.optimizer={type: Adam}", "optimizer: set by the loop"),

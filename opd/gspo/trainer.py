@@ -20,10 +20,17 @@ from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec, same_spec
 from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
-from opd.gspo.ds import load_optimizer_state, optimizer_step, rank_path, ranks_min, zero_checkpoint_globals
+from opd.gspo.ds import (
+    common_step,
+    init_distributed,
+    load_optimizer_state,
+    optimizer_step,
+    rank_path,
+    ranks_min,
+    zero_checkpoint_globals,
+)
 from opd.gspo.loss import group_advantages, gspo_loss, truncated_is_weights
-from opd.io import atomic_torch_save
-from opd.io import load_checkpoint as read_checkpoint
+from opd.io import atomic_torch_save, readable_checkpoints
 from opd.rollout import SamplingParams, get_engine
 from opd.tracking import Tracker
 
@@ -132,14 +139,22 @@ def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random,
                        "torch_rng": torch.get_rng_state()}, path, keep_previous=True)
 
 
-def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec, log=print
+def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec, log=print, world: int = 1
                     ) -> tuple[RunState, dict] | None:
     """Restore model and RNGs; the optimizer state is returned, to be loaded once the optimizer
     is final (a DeepSpeed ZeRO optimizer only exists after `wrap`). An unreadable checkpoint falls
-    back to the previous one, then to a fresh start (`opd.io.load_checkpoint`)."""
+    back to the previous one, then to a fresh start (`opd.io.load_checkpoint`). With `world` > 1
+    ranks (collective: every rank calls it) the latest step that every rank holds, as OPD does: a
+    run killed between two ranks' saves resumes every rank from the older one."""
     # a ZeRO optimizer's state holds a few DeepSpeed classes
-    ck = read_checkpoint(path, log, zero_checkpoint_globals() if spec.deepspeed is not None else None)
-    if ck is None or not same_spec(ck.get("spec"), spec):
+    found = {c["state"]["step"]: c for c in reversed(list(readable_checkpoints(
+        path, log, zero_checkpoint_globals() if spec.deepspeed is not None else None))) if same_spec(c.get("spec"), spec)}
+    if world > 1:
+        step = common_step(list(found))
+        ck = found.get(step) if step is not None else None
+    else:
+        ck = next(iter(reversed(found.values())), None)  # the newest readable one
+    if ck is None:
         return None
     model.load_state_dict(ck["model"])
     rng.setstate(ck["rng"])
@@ -164,7 +179,10 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
     rng = prompt_rng(spec, rank)
     torch.manual_seed(spec.seed + rank)
-    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, spec, log)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if wrap is not None else 1
+    if world > 1:
+        init_distributed()  # the ranks agree on a resume step before the engine exists
+    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, spec, log, world)
     state, optim_state = loaded if loaded else (None, None)
     if state is None:
         state = RunState(temperature=g.temperature)
