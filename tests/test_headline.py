@@ -91,3 +91,19 @@ def test_references_count_capabilities_whose_expert_beats_the_base_on_val():
                              manifests={"a": SimpleNamespace(capability="add"), "s": SimpleNamespace(capability="shift")})
     refs = score_references(inputs, FakeScorer(), None)
     assert refs.counted == ["add"] and refs.val == {"add": 0.6, "shift": 0.01}
+
+
+def test_every_recipe_strategy_appears_with_the_reason_it_was_not_rescored():
+    from opd.merge.headline import missing_strategies
+
+    rescored = [{"strategy": "opd"}]
+    trials = [{"candidate": {"strategy": "ties"}, "stage": "screen", "min_retention": 0.23},
+              {"candidate": {"strategy": "ties"}, "stage": "screen", "min_retention": 0.11},
+              {"candidate": {"strategy": "sce"}, "stage": "full", "min_retention": 0.4}]
+    got = {m["strategy"]: m["reason"] for m in missing_strategies(["opd", "ties", "sce", "karcher"], rescored, trials)}
+    assert set(got) == {"ties", "sce", "karcher"}
+    assert "screened out: best min retention 0.23" in got["ties"] and "(2 trials)" in got["ties"]
+    assert "full val (best min retention 0.40)" in got["sce"] and "no trial finished" in got["karcher"]
+    md = headline_md("#1 opd", capability_rows(CELLS, "#1 opd", EXPERTS), [], {}, missing=[
+        {"strategy": "ties", "reason": got["ties"]}])
+    assert "| ties | — | — | — | — | not re-scored on test: screened out" in md

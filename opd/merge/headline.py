@@ -79,12 +79,33 @@ def strategy_rows(cells: list[dict], final: dict[str, dict], expert_of: dict[str
     return sorted(best.values(), key=lambda r: -r["min_retention"])
 
 
+def missing_strategies(strategies: list[str], rescored: list[dict], trials: list[dict]) -> list[dict]:
+    """The recipe's strategies with no candidate re-scored on test, each with the reason: none of its
+    trials finished, or its best only reached the cheap val screen (with that screen's min retention)."""
+    done = {r["strategy"] for r in rescored}
+    out = []
+    for name in strategies:
+        if name in done:
+            continue
+        mine = [t for t in trials if t.get("candidate", {}).get("strategy") == name]
+        if not mine:
+            out.append({"strategy": name, "reason": "no trial finished (budget or per-strategy cap)"})
+            continue
+        full = [t for t in mine if t.get("stage") == "full"]
+        best = max(mine, key=lambda t: t.get("min_retention", float("-inf")))
+        reason = (f"scored on full val (best min retention {best['min_retention']:.2f}) but not in the final set"
+                  if full else f"screened out: best min retention {best['min_retention']:.2f} on the val "
+                  f"screen ({len(mine)} trial{'s' if len(mine) > 1 else ''}), below the promotion margin")
+        out.append({"strategy": name, "reason": reason})
+    return out
+
+
 def _f(x: float | None, fmt: str = ".2f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
 def headline_md(candidate: str, rows: list[CapabilityRow], strategies: list[dict], stages: dict[str, float],
-                model_path: str | None = None) -> str:
+                model_path: str | None = None, missing: list[dict] | None = None) -> str:
     """The report's first section, as Markdown."""
     s = minima(rows)
     lines = [f"**Final model** `{candidate}`" + (f" (`{model_path}`)" if model_path else "") + ": on test, "
@@ -107,6 +128,8 @@ def headline_md(candidate: str, rows: list[CapabilityRow], strategies: list[dict
     for st in strategies:
         lines.append(f"| {st['strategy']} | {st['candidate']} | {st['min_retention']:.2f} | {st['mean_retention']:.2f} "
                      f"| {_f(st['min_gain_kept'])} | {st['weakest']} |")
+    for m in missing or []:
+        lines.append(f"| {m['strategy']} | — | — | — | — | not re-scored on test: {m['reason']} |")
     if stages:
         lines += ["", "Minutes per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
                   + f" (total {sum(stages.values()):.1f})."]

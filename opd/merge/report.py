@@ -337,12 +337,13 @@ def expert_rows(summary: dict) -> dict[str, str]:
 
 def headline(summary: dict) -> str:
     """The report's headline section (Markdown) from a results summary."""
-    from opd.merge.headline import capability_rows, headline_md, strategy_rows
+    from opd.merge.headline import capability_rows, headline_md, missing_strategies, strategy_rows
 
     cells, experts = summary["matrix"]["test"], expert_rows(summary)
     rows = capability_rows(cells, summary["best"], experts)
-    return headline_md(summary["best"], rows, strategy_rows(cells, summary["final"], experts),
-                       summary.get("stages", {}), summary.get("best_model"))
+    best = strategy_rows(cells, summary["final"], experts)
+    missing = missing_strategies(list(summary.get("recipe", {}).get("strategies", {})), best, summary.get("trials", []))
+    return headline_md(summary["best"], rows, best, summary.get("stages", {}), summary.get("best_model"), missing)
 
 
 def _opd_html(summary: dict) -> str:
