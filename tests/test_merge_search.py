@@ -44,6 +44,29 @@ def run(tmp_path_factory):
     return recipe, run_recipe(recipe, live=False, log=lambda *a: None)
 
 
+def test_optuna_dashboard_reads_the_study(run):
+    """`optuna-dashboard sqlite:///runs/merge/<name>/study.db` (README) serves the search's study: its
+    WSGI app lists it with every finished trial."""
+    from wsgiref.util import setup_testing_defaults
+
+    from optuna_dashboard import wsgi
+
+    recipe, summary = run
+    app = wsgi(f"sqlite:///{recipe.out_dir / 'study.db'}")
+
+    def get(path: str) -> dict:
+        env, status = {"PATH_INFO": path, "REQUEST_METHOD": "GET"}, []
+        setup_testing_defaults(env)
+        body = b"".join(app(env, lambda s, h, *a: status.append(s)))
+        assert status[0].startswith("200"), (path, status)
+        return json.loads(body)
+
+    studies = get("/api/studies")["study_summaries"]
+    assert [s["study_name"] for s in studies] == [summary["study"]]
+    trials = get(f"/api/studies/{studies[0]['study_id']}")["trials"]
+    assert sum(t["state"] == "Complete" for t in trials) == len(summary["trials"])
+
+
 def test_search_writes_matrix_report_and_best_model(run):
     recipe, summary = run
     out = recipe.out_dir
