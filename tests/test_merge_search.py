@@ -44,6 +44,26 @@ def run(tmp_path_factory):
     return recipe, run_recipe(recipe, live=False, log=lambda *a: None)
 
 
+def test_export_rebuilds_a_trial_with_mergekits_run_merge(run, capsys):
+    """`python -m opd.merge export <run> <trial>`: the YAML, and the model run_merge builds from it,
+    equal to the search's merge; an unknown trial is one line and exit code 2, nothing written."""
+    from safetensors.torch import load_file
+
+    from opd.merge.__main__ import main
+    from opd.merge.export import export_trial
+
+    recipe, summary = run
+    trial = next(t for t in summary["trials"] if t["candidate"]["strategy"] != "opd")
+    out = export_trial(recipe.out_dir, trial["number"], log=lambda *a: None)
+    assert (out / "mergekit.yaml").exists() and load_file(next(out.glob("*.safetensors")))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["kind"] == "export" and m["reproduced"]["max_abs_diff"] <= 1e-5 and m["reproduced"]["tensors"] > 0
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(recipe.out_dir), "999"])
+    assert e.value.code == 2 and "trial 999: not a finished trial" in capsys.readouterr().err
+    assert not (recipe.out_dir / "export" / "trial-999").exists()
+
+
 def test_optuna_dashboard_reads_the_study(run):
     """`optuna-dashboard sqlite:///runs/merge/<name>/study.db` (README) serves the search's study: its
     WSGI app lists it with every finished trial."""

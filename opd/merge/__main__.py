@@ -1,4 +1,5 @@
-"""`python -m opd.merge --recipe merge_recipes/lab.yaml [--resume] [--worker] [key=value ...]`."""
+"""`python -m opd.merge --recipe merge_recipes/lab.yaml [--resume] [--worker] [key=value ...]`
+or `python -m opd.merge export <run dir> <trial> [--out DIR]` (one candidate as mergekit YAML + model)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from opd.errors import cli_main
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m opd.merge", description=__doc__)
     ap.add_argument("--recipe", required=True, help="merge recipe YAML (see merge_recipes/)")
     ap.add_argument("--resume", action="store_true", help="continue the recipe's study where it stopped")
@@ -25,6 +31,21 @@ def main(argv: list[str] | None = None) -> None:
 
     recipe = load_recipe(args.recipe, args.overrides)
     naming_file(args.recipe, run_recipe, recipe, resume=args.resume, worker=args.worker, live=not args.no_live)
+
+
+def export_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m opd.merge export",
+                                 description="Write a searched candidate's mergekit YAML and rebuild it with "
+                                 "mergekit's run_merge, checked tensor for tensor against the search's merge.")
+    ap.add_argument("run", help="a merge run's out directory (runs/merge/<name>)")
+    ap.add_argument("trial", type=int, help="trial number (report.md lists them)")
+    ap.add_argument("--out", help="output directory (default: <run>/export/trial-<n>)")
+    add_verbose_flag(ap)
+    args = ap.parse_args(argv)
+    quiet_third_party(args.verbose)
+    from opd.merge.export import export_trial
+
+    export_trial(args.run, args.trial, args.out)
 
 
 if __name__ == "__main__":

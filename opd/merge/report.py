@@ -373,6 +373,10 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, default=str)
 
 
+# opd's own mergekit methods (opd.merge.subspace, opd.merge.regmean): registered when opd.merge is imported
+OPD_METHODS = ("tsv_m", "iso_c", "iso_cts", "regmean")
+
+
 def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
     """The best merge as an HF model dir with a model card, its mergekit YAML and provenance."""
     model = inputs.base_model
@@ -395,7 +399,12 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
         doc = mergekit_config(cand, str(Path(inputs.base_path).resolve()), paths)
         how = f"with mergekit's `{cand.strategy}`"
         recipe_file = "mergekit.yaml"
-        reproduce = f"Reproduce the weights with `mergekit-yaml mergekit.yaml OUT --random-seed {cand.seed}`:"
+        trial = summary["final"][label]["trial"]
+        reproduce = (f"Reproduce the weights with `mergekit-yaml mergekit.yaml OUT --random-seed {cand.seed}`:"
+                     if cand.strategy not in OPD_METHODS else
+                     f"`{cand.strategy}` is opd's own mergekit method, which a plain `mergekit-yaml` does not know: "
+                     f"reproduce the weights with `python -m opd.merge export {recipe.out_dir} {trial}`, which runs "
+                     "mergekit's `run_merge` on this YAML with opd's methods registered:")
     rows = [c for c in summary["matrix"]["test"] if c["candidate"] == label]
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp)
