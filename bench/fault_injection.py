@@ -494,7 +494,8 @@ class Search(Job):
         storage = optuna.storages.RDBStorage(f"sqlite:///file:{self.db}?mode=ro&uri=true", skip_table_creation=True,
                                              skip_compatibility_check=True)
         states = [t.state.name for t in optuna.load_study(study_name=s["study"], storage=storage).trials]
-        opd_dirs = sorted(p.name for p in (self.out / "opd").iterdir()) if (self.out / "opd").exists() else []
+        # trial directories only: <out>/opd/tb holds the trials' TensorBoard curves (opd.tracking)
+        opd_dirs = sorted(p.name for p in (self.out / "opd").glob("trial-*")) if (self.out / "opd").exists() else []
         return {
             "trials": len(trials), "states": states, "best": best["candidate"], "best_n": best["scores"],
             "best_val": {c: v[0] for c, v in best["scores"].items()},
