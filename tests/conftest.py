@@ -65,3 +65,18 @@ def trained_pico_dir(tmp_path_factory, tokenizer):
     torch.set_num_threads(1)
     d = build_trained_pico(tmp_path_factory.mktemp("trained") / "pico-count")
     return d
+
+
+@pytest.fixture(scope="module")
+def lab3(tmp_path_factory):
+    """A fake lab (test_merge_fakes) with experts add, rev and sort, and the merge-key state dicts of
+    its base and experts: {"base": sd, "add": sd, ...}."""
+    from test_merge_fakes import build_fake_lab
+    from transformers import AutoModelForCausalLM
+
+    from opd.merge.recipe import merge_keys
+
+    lab = build_fake_lab(tmp_path_factory.mktemp("lab"), ("add", "rev", "sort"))
+    sds = {n: merge_keys(AutoModelForCausalLM.from_pretrained(p).state_dict()) for n, p in
+           [("base", lab["base"]), *lab["experts"].items()]}
+    return lab, sds

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_merge_fakes import build_fake_lab
 
 from opd.errors import OpdError
 from opd.merge.methods import (
@@ -17,7 +16,6 @@ from opd.merge.methods import (
     mergekit_config,
     run_mergekit,
 )
-from opd.merge.recipe import merge_keys
 
 
 def test_registry_names_mergekit_methods_and_lists_them_on_error():
@@ -35,16 +33,6 @@ def test_input_contracts_are_checked_before_work():
     with pytest.raises(OpdError, match="model_stock"):
         check_inputs(get_strategy("model_stock"), 1)
     check_inputs(get_strategy("ties"), 3)
-
-
-@pytest.fixture(scope="module")
-def lab3(tmp_path_factory):
-    lab = build_fake_lab(tmp_path_factory.mktemp("lab"), ("add", "rev", "sort"))
-    from transformers import AutoModelForCausalLM
-
-    sds = {n: merge_keys(AutoModelForCausalLM.from_pretrained(p).state_dict()) for n, p in
-           [("base", lab["base"]), *lab["experts"].items()]}
-    return lab, sds
 
 
 CASES = [

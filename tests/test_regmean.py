@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_merge_fakes import build_fake_lab
 
 from opd.merge.regmean import (
     collect_grams,
@@ -169,18 +168,6 @@ def test_method_refuses_inputs_without_grams():
 
     with pytest.raises(OpdError, match="no Gram matrices for merge input 'never-prepared'"):
         mm.merge_tensors([W1, W2], "regmean", ids=["never-prepared", "b"], name="x.weight")
-
-
-@pytest.fixture(scope="module")
-def lab3(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from opd.merge.recipe import merge_keys
-
-    lab = build_fake_lab(tmp_path_factory.mktemp("lab"), ("add", "rev", "sort"))
-    sds = {n: merge_keys(AutoModelForCausalLM.from_pretrained(p).state_dict()) for n, p in
-           [("base", lab["base"]), *lab["experts"].items()]}
-    return lab, sds
 
 
 def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path):

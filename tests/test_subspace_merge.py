@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_merge_fakes import build_fake_lab
 
 from opd.merge.subspace import iso_c, iso_cts, iso_cts_dims, task_mean, tsv_m
 
@@ -191,18 +190,6 @@ def test_mergekit_adapter_uses_the_fallback_for_vocabulary_matrices():
     out = mm.merge_tensors([base, *experts], "iso_c", ids=ids, base_index=0, name="model.layers.0.mlp.up_proj.weight",
                            parameters={"weight": {"a": 1.0, "b": 3.0}})
     torch.testing.assert_close(out, torch.tensor([[3.0, 0], [0, 3.0]]))  # sum diag(3, 3): σ̄ = 3
-
-
-@pytest.fixture(scope="module")
-def lab3(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from opd.merge.recipe import merge_keys
-
-    lab = build_fake_lab(tmp_path_factory.mktemp("lab"), ("add", "rev", "sort"))
-    sds = {n: merge_keys(AutoModelForCausalLM.from_pretrained(p).state_dict()) for n, p in
-           [("base", lab["base"]), *lab["experts"].items()]}
-    return lab, sds
 
 
 CASES = [
