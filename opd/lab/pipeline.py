@@ -84,8 +84,10 @@ def _table(cmds, line):
 
 def _last_step(path: Path) -> str:
     """The last progress line (`step ...`) of a log, shortened; empty before there is one."""
-    try:
-        text = path.read_text(errors="replace")
+    try:  # the tail only: the live table reads every running expert's log once a second
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 8192))
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
     steps = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("step ")]
