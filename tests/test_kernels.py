@@ -185,3 +185,25 @@ def test_triton_reverse_kl_matches_torch():
         results.append((out.detach(), hidden.grad, weight.grad))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_kernels_folder_never_shadows_the_hub_kernels_package():
+    """transformers >= 5.25 imports the `kernels` hub package; a regular package named `kernels` in the
+    working directory shadowed it and every transformers model import failed (a CI run did)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert not (root / "kernels" / "__init__.py").exists()
+    probe = (
+        "import importlib.util, sys; s = importlib.util.find_spec('kernels'); "
+        "o = s.origin if s else None; print(o); "
+        "from transformers import Qwen3ForCausalLM; import opd_kernels; print(opd_kernels.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    origin, ours = out.stdout.split()
+    # A real install is a file in site-packages; without one, only a namespace portion (origin None).
+    assert origin in ("None",) or "site-packages" in origin, origin
+    assert Path(ours).parent == root / "kernels" / "opd_kernels"

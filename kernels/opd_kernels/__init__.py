@@ -1,6 +1,7 @@
 """opd kernels: chunked selective log-softmax and reverse KL (torch on CPU, Triton row ops on GPU).
 
-Imported as `opd_kernels` (the folder is mapped in pyproject). Triton is imported only when a CUDA
+Imported as `opd_kernels` (kernels/opd_kernels, mapped in pyproject; kernels/ has no __init__.py
+so it never shadows the `kernels` hub package that transformers imports). Triton is imported only when a CUDA
 tensor reaches a kernel with backend "auto" or "triton".
 """
 
