@@ -164,9 +164,10 @@ RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "re
 
 
 def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix, rng, state: DistillState,
-                pad_id: int, save, log, t0: float, rank: int) -> None:
+                pad_id: int, save, log, t0: float, rank: int, progress=None) -> None:
     """Off-policy distillation before OPD: supervised steps on verified teacher samples (see
-    opd.distill.offpolicy), checkpointed every `checkpoint_every * 5` steps through `save()`."""
+    opd.distill.offpolicy), checkpointed every `checkpoint_every * 5` steps through `save()`;
+    `progress(state, None)` after each step."""
     if state.warm_samples is None:
         state.warm_samples = verified_samples(teachers, routes, rng, prompts=cfg.warmstart_prompts,
                                               group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
@@ -182,6 +183,8 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
         state.warm_step += 1
         state.warm_tokens += n_tok
         state.elapsed = time.time() - t0
+        if progress:
+            progress(state, None)
         if state.warm_step % 50 == 0 or state.warm_step == cfg.warmstart_steps:
             log(f"warm start step {state.warm_step}/{cfg.warmstart_steps}: loss {float(loss.detach()):.4f}")
         if state.warm_step % (cfg.checkpoint_every * 5) == 0:
@@ -327,7 +330,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     if state.warm_step < cfg.warmstart_steps:
         _warm_start(cfg, policy, opt, backward, teachers, routes, mix, rng, state, tokenizer.pad_token_id,
                     lambda: save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks) if ckpt_path else None,
-                    log, t0, rank)
+                    log, t0, rank, progress)
         rec = {"step": 0, "phase": "warmstart", "warm_tokens": state.warm_tokens, "gen_tokens": 0}
         if evaluate_fn is not None:
             check(rec)

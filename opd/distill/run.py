@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from opd.distill.bar import opd_bar
 from opd.distill.config import DistillRun
 from opd.distill.loop import DistillState, distill
 from opd.distill.routing import resolve_routes
@@ -138,10 +139,10 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     # rank 0 logs the curves, as it writes the student
     tracker = open_tracker(run.distill.report_to, tracking_dir(out), run.name, run.model_dump(mode="json")) \
         if rank == 0 else Tracker()
-    with tracker:
+    with tracker, opd_bar(run.name, run.distill, enabled=rank == 0) as progress:
         state: DistillState = distill(run.distill, student, tok, teachers, routes, ckpt,
                                       evaluate_fn=screen if evaluate else None, references=refs, log=log, wrap=wrap,
-                                      tracker=tracker)
+                                      tracker=tracker, progress=progress)
     if rank != 0:
         return {}  # rank 0 writes the student
     if state.best_model is not None and state.best_step != state.step:

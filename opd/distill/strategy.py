@@ -11,6 +11,7 @@ import copy
 import json
 from pathlib import Path
 
+from opd.distill.bar import opd_bar
 from opd.distill.config import DistillConfig
 from opd.distill.loop import distill
 from opd.distill.routing import resolve_routes
@@ -29,8 +30,10 @@ def opd_settings(recipe, cand) -> tuple[DistillConfig, dict[str, float]]:
 
 
 def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluate_fn=None,
-                references: dict[str, float] | None = None, log=lambda *_: None) -> tuple[dict, list[dict]]:
-    """Distil the experts into a student starting from `init_sd`; returns (state dict, history)."""
+                references: dict[str, float] | None = None, log=lambda *_: None,
+                live: bool = False) -> tuple[dict, list[dict]]:
+    """Distil the experts into a student starting from `init_sd`; returns (state dict, history).
+    `live`: show the student's bars in the live display (opd.display)."""
     from safetensors.torch import load_file
 
     weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
@@ -39,10 +42,10 @@ def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluat
     with exclusive_dir(trial_dir):  # a requeued trial never trains beside a live original
         if weights_file.exists() and history_file.exists():  # it finished while we waited to look
             return load_file(weights_file), json.loads(history_file.read_text())
-        return _train_student(inputs, cand, recipe, init_sd, trial_dir, evaluate_fn, references, log)
+        return _train_student(inputs, cand, recipe, init_sd, trial_dir, evaluate_fn, references, log, live)
 
 
-def _train_student(inputs, cand, recipe, init_sd, trial_dir: Path, evaluate_fn, references, log):
+def _train_student(inputs, cand, recipe, init_sd, trial_dir: Path, evaluate_fn, references, log, live):
     from opd.merge.recipe import merge_keys
 
     weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
@@ -57,10 +60,11 @@ def _train_student(inputs, cand, recipe, init_sd, trial_dir: Path, evaluate_fn, 
     routes = resolve_routes({e: t.capability for e, t in teachers.items()}, cfg.routes, weights)
     # the study's OPD curves side by side: <out>/opd/tb/trial-<n>
     with open_tracker(cfg.report_to, tracking_dir(trial_dir), f"{recipe.name}/{trial_dir.name}",
-                      cfg.model_dump(mode="json")) as tracker:
+                      cfg.model_dump(mode="json")) as tracker, \
+            opd_bar(f"{trial_dir.name} {cand.strategy}", cfg, enabled=live) as progress:
         state = distill(cfg, student, inputs.tokenizer, teachers, routes, trial_dir / "state.pt",
                         evaluate_fn=evaluate_fn, references=references, teacher_weights=weights, log=log,
-                        tracker=tracker)
+                        tracker=tracker, progress=progress)
     if state.best_model is not None and state.best_step != state.step:
         # the student of the best val retention check, as the standalone run keeps (val is the
         # search's split; the test split only reports)

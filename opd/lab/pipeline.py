@@ -5,23 +5,27 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
+from opd.display import console  # the live display's console: prints land above it
 from opd.errors import OpdError
 
 STAGES = ("base", "experts", "merge")
-console = Console(stderr=True)
 
 
-def run_parallel(cmds: dict[str, list[str]], jobs: int, log_dir: Path, every: float = 30.0) -> None:
+def run_parallel(cmds: dict[str, list[str]], jobs: int, log_dir: Path, every: float | None = None) -> None:
     """Run each named command as a subprocess, at most `jobs` at a time, its output in
     log_dir/<name>.log; raises OpdError naming every command that failed, with its log's tail.
 
-    While they run: on a terminal, one live table (each run's state, elapsed minutes and the last
-    `step ...` line of its log); otherwise (CI, nohup) those lines printed every `every` seconds."""
+    While they run, the process's live display (opd.display) has an "experts" section: one line per
+    running expert (elapsed minutes and the last `step ...` line of its log: step, val, best) and a
+    count of the queued and finished. On a terminal it updates in place, beside the other stages'
+    bars; otherwise (CI, nohup) it prints every `every` seconds (default: the display's, 30)."""
     import subprocess
     import time
     from concurrent.futures import ThreadPoolExecutor
+
+    from rich.text import Text
+
+    from opd.display import Display, display
 
     log_dir.mkdir(parents=True, exist_ok=True)
     state = {n: "queued" for n in cmds}
@@ -38,48 +42,26 @@ def run_parallel(cmds: dict[str, list[str]], jobs: int, log_dir: Path, every: fl
         mins = f"{(time.time() - started[name]) / 60:4.1f} min" if name in started else ""
         return f"{name}: {state[name]} {mins} {_last_step(log_dir / f'{name}.log')}".rstrip()
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    def board() -> Text:
+        running = [line(n) for n in cmds if state[n] == "running"]
+        queued = sum(s == "queued" for s in state.values())
+        head = f"experts: {len(cmds) - queued - len(running)} of {len(cmds)} finished, {queued} queued"
+        return Text("\n".join([head, *running]), no_wrap=True, overflow="ellipsis")
+
+    disp = display if every is None else Display(console, every)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, disp.section("experts", board):
         futures = {n: pool.submit(run, n) for n in cmds}
         reported: set[str] = set()
-
-        def report_finished() -> None:
+        while len(reported) < len(futures):
+            time.sleep(0.2)
             for n, f in futures.items():
                 if f.done() and n not in reported:
                     reported.add(n)
                     console.print(f"{n}: {state[n]} ({log_dir / n}.log)")
-
-        if console.is_terminal:
-            from rich.live import Live
-
-            with Live(_table(cmds, line), console=console, refresh_per_second=1, transient=True) as live:
-                while not all(f.done() for f in futures.values()):
-                    time.sleep(1)
-                    live.update(_table(cmds, line))
-            report_finished()
-        else:
-            last = time.time()
-            while not all(f.done() for f in futures.values()):
-                time.sleep(min(1.0, every))
-                report_finished()
-                if time.time() - last >= every:
-                    last = time.time()
-                    for n in cmds:
-                        if state[n] == "running":
-                            console.print(line(n))
-            report_finished()
     failed = [n for n in cmds if state[n] != "done"]
     if failed:
         tails = "; ".join(f"{n}: {_last_line(log_dir / f'{n}.log')}" for n in failed)
         raise OpdError(f"{len(failed)} of {len(cmds)} expert runs failed ({tails}); rerun to resume them")
-
-
-def _table(cmds, line):
-    from rich.table import Table
-
-    t = Table(title="experts", show_header=False, box=None)
-    for n in cmds:
-        t.add_row(line(n))
-    return t
 
 
 def _last_step(path: Path) -> str:

@@ -17,7 +17,9 @@ from opd.merge.methods import get_strategy, mergekit_config
 
 
 class LiveBoard:
-    """Rich progress bar plus a table of the best candidates so far, refreshed after each trial."""
+    """The search's section of the live display (opd.display): a progress bar over trials and a
+    table of the best candidates so far, rebuilt after each trial (never from the display's refresh
+    thread, which would query the study's storage twice a second)."""
 
     def __init__(self, study, n_trials: int | None, done: int, enabled: bool = True, top: int = 5):
         self.study, self.n_trials, self.done, self.enabled, self.top = study, n_trials, done, enabled, top
@@ -25,19 +27,22 @@ class LiveBoard:
     def __enter__(self):
         if not self.enabled:
             return self
-        from rich.console import Console, Group
-        from rich.live import Live
+        from rich.console import Group
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        from opd.display import display
+
         self.progress = Progress(TextColumn("merge search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        # a resumed search starts its bar where the study had got to
         self.task = self.progress.add_task("trials", total=self.n_trials, completed=self.done)
-        self.live = Live(Group(self.progress, self._table()), console=Console(stderr=True), refresh_per_second=2)
-        self.live.__enter__()
+        self.table = self._table()
+        self._section = display.section("search", lambda: Group(self.progress, self.table))
+        self._section.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.enabled:
-            self.live.__exit__(*exc)
+            self._section.__exit__(*exc)
 
     def _table(self):
         from rich.table import Table
@@ -58,10 +63,8 @@ class LiveBoard:
     def callback(self, study, trial) -> None:
         if not self.enabled:
             return
-        from rich.console import Group
-
         self.progress.advance(self.task)
-        self.live.update(Group(self.progress, self._table()))
+        self.table = self._table()
 
 
 def _png(fig) -> bytes:

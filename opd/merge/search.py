@@ -289,7 +289,7 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
         if get_strategy(cand.strategy).distill and "resume_of" not in trial.user_attrs:
             init = opd_init(cand, trial.study)
             trial.set_user_attr("opd_init", init.model_dump(mode="json") if init else None)
-        sd = merge(inputs, cand, recipe, trial, refs)
+        sd = merge(inputs, cand, recipe, trial, refs, live=live)
         stage, scores = "full", None
         if two_stage and "warm_start_of" not in trial.user_attrs:  # an earlier best goes straight to full val
             scores = scorer.score(sd, "val", screen.limit)
@@ -337,7 +337,7 @@ def final_candidates(recipe: MergeRecipe, study: optuna.Study) -> list[optuna.tr
 
 
 def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = None, trial=None,
-          refs: References | None = None) -> dict:
+          refs: References | None = None, live: bool = False) -> dict:
     """The candidate's weights: a mergekit merge, or for an OPD strategy the student trained (once per
     trial, then read from <out>/opd/trial-<n>/, n the trial it resumes if requeued) from the init
     recorded in the trial."""
@@ -359,7 +359,8 @@ def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = Non
     number = trial.user_attrs.get("resume_of", trial.number)
     sd, history = opd_student(inputs, cand, recipe, init_sd, recipe.out_dir / "opd" / f"trial-{number}",
                               evaluate_fn=evaluate_fn,
-                              references={c: refs.val[c] for c in refs.counted or refs.val} if refs else None)
+                              references={c: refs.val[c] for c in refs.counted or refs.val} if refs else None,
+                              live=live)
     if isinstance(trial, optuna.Trial):
         trial.set_user_attr("opd_history", history)
     return sd

@@ -1,0 +1,93 @@
+"""One live display per process. Long stages add a section to it while they run: the lab's experts
+table, the merge search's bar and best candidates, an OPD student's bar. On a terminal the sections
+show as one block that updates in place (one rich `Live`; rich allows one at a time, so stages share
+this one instead of opening their own). Off a terminal (CI, nohup) the same sections print as plain
+text every `OPD_DISPLAY_EVERY` seconds (default 30), so a log shows progress instead of nothing.
+
+    with display.section("search", lambda: board):   # any rich renderable, rendered on demand
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console, Group, RenderableType
+
+EVERY_ENV = "OPD_DISPLAY_EVERY"
+console = Console(stderr=True)
+
+
+class Display:
+    """Named sections, rendered in the order they were added, shown while at least one is open."""
+
+    def __init__(self, out: Console = console, every: float | None = None):
+        self.console = out
+        self.every = every if every is not None else float(os.environ.get(EVERY_ENV, "30"))
+        self._sections: dict[str, Callable[[], RenderableType]] = {}
+        self._lock = threading.RLock()
+        self._live = None
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self._sections)
+
+    def render(self) -> Group:
+        with self._lock:
+            renders = list(self._sections.values())
+        return Group(*(r() for r in renders))
+
+    @contextmanager
+    def section(self, name: str, render: Callable[[], RenderableType]) -> Iterator[None]:
+        """Show `render()` under `name` until the block ends; the first open section starts the display
+        and the last one to close stops it."""
+        with self._lock:
+            key, i = name, 1
+            while key in self._sections:  # two bars of one kind (nested OPD runs) both show
+                i += 1
+                key = f"{name}#{i}"
+            self._sections[key] = render
+            if len(self._sections) == 1:
+                self._start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sections.pop(key, None)
+                if not self._sections:
+                    self._halt()
+
+    def _start(self) -> None:
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self._live = Live(get_renderable=self.render, console=self.console, refresh_per_second=2,
+                              transient=True)
+            self._live.start()
+        elif self.every > 0:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._print_every, args=(self._stop,), daemon=True)
+            self._thread.start()
+
+    def _print_every(self, stop: threading.Event) -> None:
+        while not stop.wait(self.every):
+            with self._lock:
+                if not self._sections:
+                    return
+                self.console.print(self.render())
+
+    def _halt(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = self._thread = None
+
+
+display = Display()

@@ -1,0 +1,39 @@
+"""An OPD student's section of the live display (opd.display): a warm-start bar (when the config has
+one) and an OPD bar with the mean teacher KL and the last val retention check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from opd.distill.config import DistillConfig
+
+
+@contextmanager
+def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Callable | None]:
+    """Yields the `progress(state, rec)` callback for `opd.distill.loop.distill` (None when disabled)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from opd.display import display
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[info]}"))
+    warm = bar.add_task(f"{name} warm start", total=cfg.warmstart_steps, info="",
+                        visible=cfg.warmstart_steps > 0)
+    opd = bar.add_task(f"{name} OPD", total=cfg.steps, info="")
+
+    def progress(state, rec: dict | None) -> None:
+        bar.update(warm, completed=state.warm_step)
+        if rec is None:  # a warm-start step
+            return
+        kls = [v for k, v in rec.items() if k.startswith("kl/")]
+        info = f"KL {sum(kls) / len(kls):.3f}" if kls else ""
+        if state.best_min_retention >= 0:  # after the first retention check
+            info += f"  best val min retention {state.best_min_retention:.3f}@{state.best_step}"
+        bar.update(opd, completed=state.step, info=info)
+
+    with display.section("opd", lambda: bar):
+        yield progress
