@@ -134,6 +134,12 @@ def test_warm_start_then_opd_lowers_kl_and_resumes(tmp_path, trained_pico_dir, t
     assert warm["phase"] == "warmstart" and warm["warm_tokens"] > 0 and state.warm_step == 20
     assert state.best_step == 0 or state.best_min_retention == pytest.approx(1.0)
     assert [r["step"] for r in state.history] == [0, 1, 2, 3]
+    # extended by 1 step: the progress bars hear where the resumed run stands before it takes a step
+    seen = []
+    distill(cfg.model_copy(update={"steps": 4}), build_model(PICO, tokenizer, seed=0), tokenizer, teachers,
+            routes, tmp_path / "state.pt", log=lambda *_: None,
+            progress=lambda st, rec: seen.append((st.warm_step, st.step, rec is None)))
+    assert seen == [(20, 3, True), (20, 4, False)]
     # off-policy alone: steps 0
     alone = build_model(PICO, tokenizer, seed=0)
     before = {k: v.clone() for k, v in alone.state_dict().items()}

@@ -27,13 +27,14 @@ def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Cal
 
     def progress(state, rec: dict | None) -> None:
         bar.update(warm, completed=state.warm_step)
-        if rec is None:  # a warm-start step
+        bar.update(opd, completed=state.step)
+        if rec is None:  # a warm-start step, or a resumed run's first look
             return
         kls = [v for k, v in rec.items() if k.startswith("kl/")]
         info = f"KL {sum(kls) / len(kls):.3f}" if kls else ""
         if state.best_min_retention >= 0:  # after the first retention check
             info += f"  best val min retention {state.best_min_retention:.3f}@{state.best_step}"
-        bar.update(opd, completed=state.step, info=info)
+        bar.update(opd, info=info)
 
     with display.section("opd", lambda: bar):
         yield progress

@@ -293,6 +293,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     draws its own `prompts_per_step` prompts and checkpoints to its own file; rank 0 evaluates and
     its keep-best and stop decisions hold on every rank.
     tracker (opd.tracking): gets every history record, each teacher's KL as kl/<teacher>.
+    progress(state, rec): after each OPD step; rec None after a warm-start step and on resume.
     """
     tracker = tracker or Tracker()
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
@@ -307,6 +308,8 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     state, optim_state = restore_checkpoint(ck, student, rng) if ck else (DistillState(), None)
     if ck:
         log(f"resuming distillation at step {state.step}")
+        if progress:
+            progress(state, None)  # a resumed run's bars start where it had got to
     policy, backward = StudentHidden(student), None
     if wrap is not None:
         policy, opt, backward = wrap(policy, opt)
