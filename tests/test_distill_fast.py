@@ -85,6 +85,30 @@ def test_dense_and_loop_kl_agree_on_a_mixed_batch(pico_model, tokenizer):
     assert set(st) == {"kl/t0", "kl/t1", "kl/t2"}
 
 
+def test_full_estimator_update_is_the_same_without_the_old_policy_forward(pico_model, tokenizer):
+    """The full estimator without a reward term never reads old_lp, so build_batch skips that student
+    forward: the update (loss, KLs, resulting weights) is identical either way."""
+    from opd.distill.loop import StudentHidden, opd_step
+
+    teachers = _teachers(pico_model, tokenizer)
+    routes = resolve_routes({n: t.capability for n, t in teachers.items()})
+    items = [type("I", (), {"capability": c, "answer": "x"}) for c in ["count", "rev"]]
+    groups = [[Rollout("p", [5, 6, 7], [14, 15], "ab", [0.0, 0.0])], [Rollout("p", [8, 9], [16], "a", [0.0])]]
+    cfg = DistillConfig(estimator="full", updates_per_batch=1)
+    out = {}
+    for keep in (True, False):
+        student = copy.deepcopy(pico_model)
+        bank = TeacherBank(teachers, sorted(teachers))
+        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, bank=bank, old_lp=keep)
+        assert (batch.old_lp is None) != keep
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+        torch.manual_seed(0)
+        out[keep] = (opd_step(StudentHidden(student), opt, batch, cfg, teachers), student.state_dict())
+    assert out[True][0] == out[False][0]
+    for k, v in out[True][1].items():
+        torch.testing.assert_close(out[False][1][k], v, atol=0, rtol=0)
+
+
 def test_teachers_of_another_architecture_are_refused(pico_model, tokenizer):
     teachers = _teachers(pico_model, tokenizer, n=1)
     wider = build_model(ModelShape(**{**PICO.model_dump(), "intermediate_size": 96}), tokenizer, seed=0)

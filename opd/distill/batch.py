@@ -26,7 +26,7 @@ class OpdBatch:
     cmask: torch.Tensor  # (B, T)
     plen: torch.Tensor  # (B,)
     targets: torch.Tensor  # (B, T) the sampled completion tokens
-    old_lp: torch.Tensor  # (B, T) student log-probs at sampling time
+    old_lp: torch.Tensor | None  # (B, T) student log-probs at sampling time (None when no loss needs them)
     teacher_lp: torch.Tensor  # (K, B, T) each teacher's log-prob of the sampled tokens (0 where unrouted)
     weights: torch.Tensor  # (K, B) teacher k's share of row b's target (columns sum to 1)
     rewards: torch.Tensor  # (P, G) verifier rewards
@@ -52,8 +52,10 @@ def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Rand
 
 @torch.no_grad()
 def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Routes, pad_id: int,
-                kernel_chunk: int = 1024, bank: TeacherBank | None = None) -> OpdBatch:
-    """Score every student token under each routed teacher and under the student itself.
+                kernel_chunk: int = 1024, bank: TeacherBank | None = None, old_lp: bool = True) -> OpdBatch:
+    """Score every student token under each routed teacher and, with `old_lp`, under the student
+    itself (the GSPO ratio's old policy: the sampled estimator and a reward term need it; the full
+    estimator alone does not, and skipping it saves one student forward per batch).
 
     With `bank` (every teacher in process, one architecture) all teachers score in one stacked
     forward that also yields the full-vocabulary targets; otherwise each teacher's engine scores its
@@ -67,10 +69,13 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     ids, attn, cmask, plen = (x.to(device) for x in padded)
     B, T = cmask.shape
     targets = completion_targets(ids, plen, T)
-    # the same chunked head as the update, so the first update's ratio is exactly 1
     real = cmask.bool()
-    h = completion_hidden(student, ids, attn, plen, T)[real]  # (N, H)
-    old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk), cmask)
+    if old_lp:  # the same chunked head as the update, so the first update's ratio is exactly 1
+        h = completion_hidden(student, ids, attn, plen, T)[real]  # (N, H)
+        old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk),
+                                cmask)
+    else:
+        old_lp = None
     names = sorted({t for ts in routes.values() for t in ts})
     weights = torch.zeros(len(names), B)
     for k, name in enumerate(names):

@@ -349,7 +349,8 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         items, groups = sample_batch(engine, routes, step_mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                      seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
-        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank)
+        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
+                            old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0)
         for g in opt.param_groups:
             g["lr"] = step_lr(cfg, state.step)
         rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
