@@ -56,9 +56,13 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
                     stop=lambda rec: rec["gen_tokens"] >= tokens)
     train_s = time.time() - t0 - spent["eval"]
     tps = state.gen_tokens / train_s
+    phases = {p: sum(r.get(f"time/{p}", 0.0) for r in state.history) for p in ("sample", "score", "update")}
+    total = sum(phases.values()) or 1.0
     print(f"{label:8s} threads {threads}  {state.step} steps  {state.gen_tokens} student tokens in {train_s:.1f} s "
           f"training -> {tps:.0f} tokens/s;  min val retention on the grid: "
           + ", ".join(f"{g}:{r:.2f}" for g, _, r in curve), flush=True)
+    print(f"{'':8s} step time: " + ", ".join(f"{p} {v / total:.0%}" for p, v in phases.items())
+          + " (student sampling / teacher and old-policy scoring / update)", flush=True)
     return {"tps": tps, "curve": curve, "steps": state.step, "tokens": state.gen_tokens, "seconds": train_s}
 
 

@@ -346,15 +346,21 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
             save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
     while state.step < cfg.steps:
         step_mix = adapted_mix(mix, state.history, cfg.adaptive_mix)
+        t_sample = time.perf_counter()
         items, groups = sample_batch(engine, routes, step_mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
                                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                      seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
+        t_score = time.perf_counter()
         batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
                             old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0)
         for g in opt.param_groups:
             g["lr"] = step_lr(cfg, state.step)
+        t_update = time.perf_counter()
         rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
                **opd_step(policy, opt, batch, cfg, teachers, backward)}
+        # where a step's seconds go: student sampling, teacher (and old-policy) scoring, the update
+        rec.update({"time/sample": t_score - t_sample, "time/score": t_update - t_score,
+                    "time/update": time.perf_counter() - t_update})
         for cap in dict.fromkeys(batch.row_caps):
             rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
             rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
