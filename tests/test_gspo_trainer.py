@@ -47,6 +47,11 @@ def test_train_loop_stats_and_checkpoint(trained_pico_dir, tmp_path):
     assert rec["logprob_mismatch"] < 1e-4
     assert (tmp_path / "ck" / "state.pt").exists()
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # rerun: the progress bar hears the resumed step (3 of 3 here) instead of starting at 0
+    seen = []
+    train(spec, AutoModelForCausalLM.from_pretrained(trained_pico_dir), tok, tmp_path / "ck" / "state.pt",
+          evaluate_fn=lambda m: 0.5, log=lambda *_: None, progress=lambda st, rec: seen.append((st.step, rec is None)))
+    assert seen == [(3, True)]
 
 
 def _write_spec(tmp_path, base, **extra):

@@ -63,6 +63,9 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
         task = bar.add_task(f"GSPO {spec.expert_name}", total=spec.steps, info="")
 
         def progress(state, rec):
+            if rec is None:  # resumed: the bar starts at the checkpoint's step
+                bar.update(task, completed=state.step)
+                return
             info = (f"reward {rec.get('reward', 0):.2f} informative {rec['informative']:.2f} "
                     f"clip {rec.get('clip_fraction', 0):.2f} T {rec['temperature']:.2f} "
                     f"best val {state.best_score:.2f}@{state.best_step}")

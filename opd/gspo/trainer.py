@@ -167,7 +167,8 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     """Run GSPO until `steps` or `max_minutes`; returns the state holding the best model.
 
     `evaluate_fn(model) -> float` screens on validation; `wrap(model, opt) -> (model, opt, backward)`
-    swaps in a DeepSpeed engine; `tracker` (opd.tracking) gets every history record.
+    swaps in a DeepSpeed engine; `tracker` (opd.tracking) gets every history record;
+    `progress(state, rec)` after each step, with rec None once on resume.
     """
     tracker = tracker or Tracker()
     g = spec.gspo
@@ -192,6 +193,8 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         tracker.log({"val": state.best_score}, 0)
     else:
         log(f"resuming {spec.expert_name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
+        if progress:
+            progress(state, None)  # a resumed run's bar starts where it had got to
     backward = None
     if wrap is not None:
         model, opt, backward = wrap(model, opt)
