@@ -205,14 +205,23 @@ def test_sigkilled_study_resumes_without_redoing_trials(tmp_path):
     proc.wait()
     before = _complete(db)
     assert 2 <= len(before) < 8, "the study must be killed mid-way"
-    with pytest.raises(OpdError, match="--resume"):
+    with pytest.raises(OpdError, match="resume=True"):
         run_recipe(load_recipe(recipe_path), live=False)
     with pytest.raises(OpdError, match="made with other \\['strategies'\\]"):
         run_recipe(load_recipe(recipe_path, ["strategies.ties.density=[0.1, 0.2]"]), resume=True, live=False)
-    run_recipe(load_recipe(recipe_path), resume=True, live=False, log=lambda *a: None)
+    # the same command again continues the killed study
+    rerun = subprocess.run([sys.executable, "-m", "opd.merge", "--recipe", str(recipe_path), "--no-live"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
     after = _complete(db)
     assert len(after) == 8
     assert set(before) <= set(after)  # same trial numbers, same start times: not re-run
+    # --fresh deletes the study and starts over (a smaller budget here: new trials only)
+    fresh = subprocess.run([sys.executable, "-m", "opd.merge", "--recipe", str(recipe_path), "--no-live", "--fresh",
+                            "budget.n_trials=2"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    again = _complete(db)
+    assert len(again) == 2 and not set(again) & set(after)
     study = optuna.load_study(study_name=None, storage=f"sqlite:///{db}")  # the one study: t-<inputs hash>
     states = [t.state for t in study.trials]
     assert optuna.trial.TrialState.RUNNING not in states

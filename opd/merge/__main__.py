@@ -1,5 +1,8 @@
-"""`python -m opd.merge --recipe merge_recipes/lab.yaml [--resume] [--worker] [key=value ...]`
-or `python -m opd.merge export <run dir> <trial> [--out DIR]` (one candidate as mergekit YAML + model)."""
+"""`python -m opd.merge --recipe merge_recipes/lab.yaml [--fresh] [--worker] [key=value ...]`
+or `python -m opd.merge export <run dir> <trial> [--out DIR]` (one candidate as mergekit YAML + model).
+
+Rerunning the same command continues a killed or unfinished study (as an expert run does); --fresh
+deletes the study and starts over."""
 
 from __future__ import annotations
 
@@ -18,7 +21,10 @@ def main(argv: list[str] | None = None) -> None:
         return export_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m opd.merge", description=__doc__)
     ap.add_argument("--recipe", required=True, help="merge recipe YAML (see merge_recipes/)")
-    ap.add_argument("--resume", action="store_true", help="continue the recipe's study where it stopped")
+    ap.add_argument("--fresh", action="store_true",
+                    help="delete the recipe's study (and its OPD students) and start over; by default a rerun "
+                    "continues the study where it stopped")
+    ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for scripts
     ap.add_argument("--worker", action="store_true", help="join a shared study (RDB storage) as one more worker")
     ap.add_argument("--no-live", action="store_true", help="no live progress table")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. budget.n_trials=20")
@@ -30,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     from opd.merge import load_recipe, run_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    naming_file(args.recipe, run_recipe, recipe, resume=args.resume, worker=args.worker, live=not args.no_live)
+    if args.fresh and args.worker:
+        ap.error("--fresh deletes the shared study: start it over from one process, then add --worker ones")
+    naming_file(args.recipe, run_recipe, recipe, resume=not args.fresh, worker=args.worker, live=not args.no_live,
+                fresh=args.fresh)
 
 
 def export_main(argv: list[str]) -> None:

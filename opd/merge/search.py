@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import time
 import warnings
@@ -197,7 +198,7 @@ SEARCH_FIELDS = ("base", "experts", "capabilities", "strategies", "objectives", 
 
 def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool, *, name: str | None = None,
                warm: tuple[str, list[tuple[int, dict]]] | None = None) -> optuna.Study:
-    """Create the study `name` (default: the recipe's name), or continue it with --resume (or join it
+    """Create the study `name` (default: the recipe's name), or continue it with `resume` (or join it
     as a --worker). A study created with `warm` = (earlier study, [(its trial number, params)]) runs
     those params first and stops at `budget.warm_fraction` of the trials (`trial_budget`)."""
     name = name or recipe.name
@@ -214,8 +215,8 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
     exists = summary is not None
     if exists and not (resume or worker):
-        raise OpdError(f"study {name!r} already exists in {recipe.storage_label}: pass --resume to continue it"
-                       f" or delete {recipe.out_dir} to start over")
+        raise OpdError(f"study {name!r} already exists in {recipe.storage_label}: pass resume=True to continue it"
+                       " or fresh=True to start over (the command line resumes unless --fresh)")
     offset = summary.n_trials if exists else 0
     study = optuna.create_study(study_name=name, storage=storage, sampler=make_sampler(recipe, offset),
                                 directions=["maximize"] * n_objectives, load_if_exists=True)
@@ -421,9 +422,26 @@ def _stage_minutes(recipe: MergeRecipe, study, refs_s: float, search_s: float, f
             "merge search": max(0.0, search_s - opd_s) / 60, "OPD": opd_s / 60, "test scoring": final_s / 60}
 
 
+def _start_over(recipe: MergeRecipe, name: str, log) -> None:
+    """--fresh: delete the study `name` from the recipe's storage and the OPD students trained for it."""
+    try:
+        optuna.delete_study(study_name=name, storage=recipe.storage_url)
+        log(f"--fresh: deleted study {name!r} from {recipe.storage_label}")
+    except KeyError:
+        pass  # no such study yet
+    except Exception as e:  # a wrong URL, an unreachable server, a refused login
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise OpdError(f"storage {recipe.storage_label}: cannot delete study {name!r} ({type(e).__name__}: "
+                       f"{redact_url(first)}); check the 'storage' URL") from None
+    shutil.rmtree(recipe.out_dir / "opd", ignore_errors=True)
+
+
 def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = False, live: bool = True,
-               log=print) -> dict:
+               fresh: bool = False, log=print) -> dict:
     """Run a merge recipe end to end; returns the summary also written to <out>/results.json.
+
+    `resume` continues the study where a killed or finished run left it; `fresh` deletes the study
+    and its OPD students first and starts over (the command line resumes unless --fresh).
 
     The study is named by the inputs' content hashes: after an expert changed, a rerun opens a new
     study that starts from the earlier run's best settings, and the report opens with what changed.
@@ -440,6 +458,9 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     name = history.study_name(recipe, inputs.base_hash, hashes)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
     prev = history.previous_results(recipe.out_dir, history.switch_study(recipe.out_dir, name, recipe.name))
+    if fresh:
+        _start_over(recipe, name, log)
+        prev = None  # no warm start from an earlier study either
     warm = None
     if prev is not None and recipe.budget.n_trials is not None:
         params = history.warm_params(prev, recipe, list(inputs.expert_paths), warm_budget(recipe))
