@@ -15,6 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 import torch
+import yaml
 from conftest import skip_missing
 from test_merge_fakes import PICO, build_fake_lab, write_recipe
 
@@ -64,6 +65,25 @@ def test_export_rebuilds_a_trial_with_mergekits_run_merge(run, capsys):
     assert not (recipe.out_dir / "export" / "trial-999").exists()
 
 
+def test_opd_report_renders_a_finished_run_again(run, capsys):
+    """`opd report <run>`: report.md/html and the plots again from results.json, headline printed;
+    a directory without results.json is one line and exit code 2."""
+    from opd.cli import main
+
+    recipe, summary = run
+    for name in ("report.md", "report.html", "strategy_best.png"):
+        (recipe.out_dir / name).unlink()
+    assert main(["report", str(recipe.out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "Best candidate of every strategy" in out and "report.html" in out
+    for name in ("report.md", "report.html", "strategy_best.png"):
+        assert (recipe.out_dir / name).stat().st_size > 0, name
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(recipe.out_dir / "opd")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "results.json: no such file" in err
+
+
 def test_optuna_dashboard_reads_the_study(run):
     """`optuna-dashboard sqlite:///runs/merge/<name>/study.db` (README) serves the search's study: its
     WSGI app lists it with every finished trial."""
@@ -104,6 +124,10 @@ def test_search_writes_matrix_report_and_best_model(run):
     best = out / "best"
     card = (best / "README.md").read_text()
     assert "mergekit-yaml" in card and "score (test)" in card and recipe.name in card
+    front = yaml.safe_load(card.split("---\n")[1])  # the Hub's model-card front matter
+    assert front["library_name"] == "transformers" and {"merge", "mergekit", "opd"} <= set(front["tags"])
+    assert front["base_model"] == [summary["inputs"]["base"]["path"],
+                                   *(e["path"] for e in summary["inputs"]["experts"].values())]
     assert (best / "mergekit.yaml").exists() and (best / "model.safetensors").exists()
     manifest = json.loads((best / "manifest.json").read_text())
     assert manifest["inputs"]["base"]["content_hash"] and manifest["recipe"]["name"] == recipe.name

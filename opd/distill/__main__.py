@@ -13,8 +13,8 @@ from opd.errors import cli_main
 
 
 @cli_main
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m opd.distill", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m opd.distill") -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     ap.add_argument("run", help="distillation run YAML (fields: opd.distill.config.DistillRun)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. distill.steps=20")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")

@@ -1,5 +1,6 @@
 """`python -m opd.merge --recipe merge_recipes/lab.yaml [--fresh] [--worker] [key=value ...]`
-or `python -m opd.merge export <run dir> <trial> [--out DIR]` (one candidate as mergekit YAML + model).
+or `python -m opd.merge export <run dir> <trial> [--out DIR]` (one candidate as mergekit YAML + model)
+or `python -m opd.merge report <run dir>` (render a finished run's report again).
 
 Rerunning the same command continues a killed or unfinished study (as an expert run does); --fresh
 deletes the study and starts over."""
@@ -13,13 +14,15 @@ from opd.errors import cli_main
 
 
 @cli_main
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m opd.merge") -> None:
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
-        return export_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m opd.merge", description=__doc__)
+        return export_main(argv[1:], prog=f"{prog} export")
+    if argv[:1] == ["report"]:
+        return report_main(argv[1:], prog=f"{prog} report")
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     ap.add_argument("--recipe", required=True, help="merge recipe YAML (see merge_recipes/)")
     ap.add_argument("--fresh", action="store_true",
                     help="delete the recipe's study (and its OPD students) and start over; by default a rerun "
@@ -42,8 +45,9 @@ def main(argv: list[str] | None = None) -> None:
                 fresh=args.fresh)
 
 
-def export_main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m opd.merge export",
+@cli_main
+def export_main(argv: list[str] | None = None, prog: str = "python -m opd.merge export") -> None:
+    ap = argparse.ArgumentParser(prog=prog,
                                  description="Write a searched candidate's mergekit YAML and rebuild it with "
                                  "mergekit's run_merge, checked tensor for tensor against the search's merge.")
     ap.add_argument("run", help="a merge run's out directory (runs/merge/<name>)")
@@ -55,6 +59,20 @@ def export_main(argv: list[str]) -> None:
     from opd.merge.export import export_trial
 
     export_trial(args.run, args.trial, args.out)
+
+
+@cli_main
+def report_main(argv: list[str] | None = None, prog: str = "opd report") -> None:
+    ap = argparse.ArgumentParser(prog=prog, description="Render a finished merge run's report (report.md, "
+                                 "report.html, plots) again from its results.json and print its headline; "
+                                 "scores and trains nothing.")
+    ap.add_argument("run", help="a merge run's out directory (runs/merge/<name>)")
+    add_verbose_flag(ap)
+    args = ap.parse_args(argv)
+    quiet_third_party(args.verbose)
+    from opd.merge.report import rewrite_report
+
+    print(f"report: {rewrite_report(args.run)}")
 
 
 if __name__ == "__main__":

@@ -421,10 +421,16 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
         })
         scores = "\n".join(f"| {c['capability']} | {c['score']:.3f} ± {c['stderr']:.3f} | {c['retention']:.2f} | "
                            f"{c['delta_vs_base']:+.3f} |" for c in rows)
+        # Hub model-card front matter, as mergekit writes it: every input model under base_model
+        front = yaml.safe_dump({
+            "base_model": [summary["inputs"]["base"]["path"],
+                           *(e["path"] for e in summary["inputs"]["experts"].values())],
+            "library_name": "transformers",
+            "tags": ["merge", "mergekit", "opd", *(["distillation"] if distilled else [])],
+        }, sort_keys=False)
         (tmp / "README.md").write_text(f"""---
-tags: [merge, mergekit, opd]
----
-# {recipe.name}: merged model
+{front}---
+# {recipe.name}: {"distilled" if distilled else "merged"} model
 
 Merged by opd from the base `{summary['inputs']['base']['path']}` ({summary['inputs']['base']['content_hash']})
 and the experts {', '.join(f"`{e}`" for e in summary['inputs']['experts'])}, {how}.
@@ -448,3 +454,29 @@ Recipe:
 """)
     model.load_state_dict(inputs.base_sd, strict=False)
     return final
+
+
+def rewrite_report(run_dir: str | Path, log=print) -> Path:
+    """Render a finished run's report again from its results.json (after an opd upgrade, or to print
+    its headline); scores nothing and trains nothing. Returns report.html's path."""
+    from opd.errors import OpdError
+    from opd.merge.interference import Cell
+    from opd.merge.recipe import MergeRecipe
+
+    run_dir = Path(run_dir)
+    path = run_dir / "results.json"
+    if not path.is_file():
+        raise OpdError(f"{path}: no such file; give a merge run's directory (runs/merge/<name>) whose search "
+                       "has finished (python -m opd.merge --recipe R.yaml writes it)")
+    import json
+
+    try:
+        summary = json.loads(path.read_text())
+        recipe = MergeRecipe.model_validate({**summary["recipe"], "out": str(run_dir)})
+        matrix = {split: [Cell(**c) for c in cells] for split, cells in summary["matrix"].items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise OpdError(f"{path}: not a merge run's results ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                       "rerun the search to write it again") from None
+    write_report(recipe, summary, matrix)
+    log(headline(summary))
+    return run_dir / "report.html"
