@@ -12,7 +12,8 @@ from opd.capabilities import Item, get_capability
 class MixtureStream:
     """Endless seeded stream of training items; `state()`/`load_state()` make it resumable."""
 
-    def __init__(self, weights: dict[str, float], difficulties: dict[str, int] | None = None, seed: int = 0):
+    def __init__(self, weights: dict[str, float], difficulties: dict[str, int] | None = None,
+                 seed: int | str = 0):
         self.caps = [get_capability(c) for c in weights]
         self.weights = [float(w) for w in weights.values()]
         self.difficulties = difficulties or {}
