@@ -31,7 +31,9 @@ class MixtureStream:
 
 
 def encode_sft(tokenizer, items: list[Item]) -> dict[str, torch.Tensor]:
-    """Right-padded `prompt+answer+\\n` with labels only on `answer+\\n` (B, T)."""
+    """Right-padded `prompt+answer+\\n` with labels only on `answer+\\n` (B, T). Prompt and answer are
+    encoded separately and their ids concatenated, never the joined text: generation continues from
+    the prompt's ids, so with a BPE this is the split the model meets when it answers."""
     prompts = [tokenizer(it.prompt, add_special_tokens=False).input_ids for it in items]
     answers = [tokenizer(it.answer + "\n", add_special_tokens=False).input_ids for it in items]
     T = max(len(p) + len(a) for p, a in zip(prompts, answers))
