@@ -67,6 +67,19 @@ def test_bpe_spec_is_validated_and_char_bases_keep_their_cache_key():
     assert same_training(old, char) and not same_training(old, bpe_spec())
 
 
+def test_the_shipped_base_spec_selects_the_bpe():
+    from opd.lab.base import load_base_spec
+
+    assert load_base_spec().tokenizer == "char"
+    spec = load_base_spec(tokenizer="bpe")  # python scripts/build_base.py tokenizer=bpe
+    tok = build_tokenizer(spec)
+    assert len(tok) == spec.bpe_vocab_size == 512
+    # every capability of the mixture encodes without <unk>
+    for cap in spec.mixture:
+        for it in get_capability(cap).items("val", 20):
+            assert tok.unk_token_id not in tok.encode(it.prompt + it.answer + "\n", add_special_tokens=False)
+
+
 def test_newline_stop_is_one_token_the_model_stops_on(bpe):
     """The engines stop on the "\\n" id, lm-eval's `until` on the decoded text: they agree only if
     "\\n" is one token that no other token contains. The model's stop list used
