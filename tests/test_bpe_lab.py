@@ -276,4 +276,6 @@ def test_bpe_lab_end_to_end(tmp_path):
     engine = get_engine("embedded", model=model, tokenizer=tok)
     groups = engine.generate([d["prompt"] for d in items], 1, SamplingParams(temperature=0, max_new_tokens=6))
     greedy = sum(get_capability("add").verify(g[0].text, d["answer"]) for g, d in zip(groups, items)) / len(items)
-    assert api.evaluate(model, tok, ["add"], "val", limit=60, use_cache=False)["add"].score == pytest.approx(greedy)
+    # one item of slack: other batch shapes may flip a near-tie argmax
+    assert api.evaluate(model, tok, ["add"], "val", limit=60, use_cache=False)["add"].score == \
+        pytest.approx(greedy, abs=1.5 / 60)
