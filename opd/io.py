@@ -214,3 +214,15 @@ def file_hash(path: str | os.PathLike) -> str:
 
 def text_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """What makes two tokenizers interchangeable for per-token scores: the id of every token and,
+    for a fast tokenizer, its merges and added tokens (short hex). Saving and reloading keeps it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        doc = json.loads(backend.to_str())
+        key = {"model": doc.get("model"), "added": [(t["id"], t["content"]) for t in doc.get("added_tokens") or []]}
+    else:
+        key = {"vocab": sorted(tokenizer.get_vocab().items())}
+    return text_hash(json.dumps(key, sort_keys=True))

@@ -99,3 +99,21 @@ def redact_url(url: str | None) -> str | None:
     if url is None:
         return None
     return re.sub(r"(://[^/@:]*:)[^/?#]*@", r"\1***@", url)
+
+
+def require_same_tokenizer(reference: tuple[str, object], others: dict[str, str | os.PathLike]) -> None:
+    """Refuse, in one line and before any model loads, a model directory whose tokenizer differs from
+    `reference` = (label, tokenizer): per-token log-probs and KL compare ids, so one vocabulary only.
+    `others`: label -> model directory."""
+    from transformers import AutoTokenizer
+
+    from opd.io import tokenizer_hash
+
+    label, tok = reference
+    want = tokenizer_hash(tok)
+    for name, path in others.items():
+        other = AutoTokenizer.from_pretrained(path)
+        got = tokenizer_hash(other)
+        if got != want:
+            raise OpdError(f"tokenizer mismatch: {name} ({path}: {len(other)} ids, hash {got}) differs from {label}'s "
+                           f"({len(tok)} ids, hash {want}); per-token scores need one vocabulary")

@@ -191,7 +191,7 @@ def test_incompatible_experts_are_refused_before_any_work(tmp_path):
     vocab = json.loads((add / "tokenizer.json").read_text())
     vocab["model"]["vocab"]["@"] = len(vocab["model"]["vocab"])
     (add / "tokenizer.json").write_text(json.dumps(vocab))
-    expect("different tokenizer vocabulary")
+    expect("tokenizer mismatch: expert .add.")
     shutil.copy(lab["experts"]["rev"] / "tokenizer.json", add / "tokenizer.json")
     changed = AutoModelForCausalLM.from_pretrained(add)
     with torch.no_grad():

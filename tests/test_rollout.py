@@ -54,7 +54,7 @@ def test_generate_shapes_and_logprobs_match_forward(engine, pico_model, tokenize
             assert not stops & set(r.completion_ids[:-1])
             if len(r.completion_ids) < 6:
                 assert r.completion_ids[-1] in stops
-            assert r.text == tokenizer.decode(r.completion_ids)
+            assert r.text == tokenizer.decode(r.completion_ids, skip_special_tokens=True)
             # Left-padded batched KV-cache sampling gives the same numbers as one clean forward pass.
             ref = _forward_logprobs(pico_model, r.prompt_ids, r.completion_ids)
             torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(ref), atol=1e-4, rtol=0)

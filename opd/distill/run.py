@@ -16,7 +16,7 @@ from opd.distill.routing import resolve_routes
 from opd.distill.teachers import Teacher, embedded_teacher
 from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
-from opd.paths import check_output, require_model_dir
+from opd.paths import check_output, require_model_dir, require_same_tokenizer
 from opd.rollout import get_engine
 from opd.tracking import Tracker, open_tracker, tracking_dir
 
@@ -25,16 +25,16 @@ def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = 
                   ) -> tuple[dict[str, Teacher], dict[str, dict]]:
     """Each expert as a frozen in-process teacher (or, when `servers` names it, a client of the SGLang
     server at that URL), and its manifest (as a dict) by teacher name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from opd.expert.manifest import load_manifest, resolve_expert
 
+    paths = {n: resolve_expert(n) for n in names}
+    # every tokenizer before any model loads
+    require_same_tokenizer(("the student", tokenizer), {f"teacher {p.name!r}": p for p in paths.values()})
     teachers, manifests = {}, {}
-    for n in names:
-        path = resolve_expert(n)
+    for path in paths.values():
         m = load_manifest(path)
-        if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
-            raise OpdError(f"teacher {path.name!r}: its tokenizer differs from the student's; per-token KL needs one vocabulary")
         url = (servers or {}).get(path.name)
         if url:
             teachers[path.name] = Teacher(path.name, m.capability, get_engine("sglang", base_url=url, tokenizer=tokenizer))
@@ -108,6 +108,8 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         if rank:
             log = _prefixed(log, f"[rank {rank}] ")
     tok0 = AutoTokenizer.from_pretrained(run.base)
+    if run.student != "base":  # the teachers are checked against the base in load_teachers
+        require_same_tokenizer(("the base", tok0), {"the student": run.student})
     unknown = sorted(set(run.teacher_servers) - {Path(t).name for t in run.teachers})
     if unknown:
         raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {run.teachers}")

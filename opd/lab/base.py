@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,10 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
 from opd.errors import OpdError
-from opd.io import atomic_dir, atomic_torch_save, atomic_write_json, load_checkpoint, state_dict_hash
+from opd.io import (
+    atomic_dir,
+    atomic_torch_save,
+    atomic_write_json,
+    load_checkpoint,
+    state_dict_hash,
+    tokenizer_hash,
+)
 from opd.lab.data import MixtureStream, encode_sft
 from opd.lab.model import ModelShape, build_model
-from opd.lab.tokenizer import build_char_tokenizer
+from opd.lab.tokenizer import BPE_CORPUS_ITEMS, SPECIALS, build_char_tokenizer, train_bpe_tokenizer
 from opd.schedule import lr_at
 from opd.tracking import REPORT_TO_HELP, ReportTo, open_tracker, tracking_dir
 
@@ -33,6 +41,10 @@ class BaseSpec(BaseModel):
     name: str = Field("lab-base", description="name written into the model card")
     seed: int = Field(0, description="seed for weights init and the data stream")
     shape: ModelShape = Field(default_factory=ModelShape)
+    tokenizer: Literal["char", "bpe"] = Field("char", description="'char': one id per character; 'bpe': a "
+                                               "byte-level BPE trained on this spec's mixture stream")
+    bpe_vocab_size: int = Field(512, gt=len(SPECIALS) + 256, le=4096,
+                                description="ids of the BPE (4 specials + 256 bytes + merges); unused with 'char'")
     capabilities: list[str] = Field(description="capabilities screened on validation to choose the kept checkpoint")
     scored: list[str] | None = Field(None, description="the lab's capabilities: what experts and reports score "
                                      "(default: capabilities); tasks that stay at chance are left out here")
@@ -68,7 +80,17 @@ class BaseSpec(BaseModel):
 
     def training_fields(self) -> dict:
         """The fields that determine the weights (reporting fields excluded): the build cache key."""
-        return self.model_dump(mode="json", exclude={"scored", "report_to"})
+        exclude = {"scored", "report_to"} | ({"bpe_vocab_size"} if self.tokenizer == "char" else set())
+        return self.model_dump(mode="json", exclude=exclude)
+
+
+def build_tokenizer(spec: BaseSpec):
+    """The spec's tokenizer; a BPE learns from items of the spec's own mixture (a stream seeded apart
+    from the training stream's, so building it draws nothing from that one)."""
+    if spec.tokenizer == "char":
+        return build_char_tokenizer()
+    items = MixtureStream(spec.mixture, spec.difficulty, seed=f"bpe|{spec.seed}").next_batch(BPE_CORPUS_ITEMS)
+    return train_bpe_tokenizer(items, spec.bpe_vocab_size)
 
 
 def same_training(stored: dict | None, spec: BaseSpec) -> bool:
@@ -98,7 +120,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     out = Path(out)
     ckpt_path = out.parent / f".{out.name}.ckpt" / "state.pt"
     torch.set_num_threads(spec.threads)
-    tok = build_char_tokenizer()
+    tok = build_tokenizer(spec)
     model = build_model(spec.shape, tok, spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
     stream = MixtureStream(spec.mixture, spec.difficulty, seed=spec.seed)
@@ -152,7 +174,8 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     manifest = {
         "kind": "base", "name": spec.name, "spec": spec.training_fields(), "capabilities": spec.lab_capabilities,
         "kept_step": best["step"], "val_screen": best["val"], "history": state["history"],
-        "content_hash": state_dict_hash(model), "train_seconds": state["elapsed"],
+        "content_hash": state_dict_hash(model), "tokenizer": spec.tokenizer, "tokenizer_hash": tokenizer_hash(tok),
+        "train_seconds": state["elapsed"],
     }
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)

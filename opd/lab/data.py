@@ -12,7 +12,8 @@ from opd.capabilities import Item, get_capability
 class MixtureStream:
     """Endless seeded stream of training items; `state()`/`load_state()` make it resumable."""
 
-    def __init__(self, weights: dict[str, float], difficulties: dict[str, int] | None = None, seed: int = 0):
+    def __init__(self, weights: dict[str, float], difficulties: dict[str, int] | None = None,
+                 seed: int | str = 0):
         self.caps = [get_capability(c) for c in weights]
         self.weights = [float(w) for w in weights.values()]
         self.difficulties = difficulties or {}
@@ -30,7 +31,9 @@ class MixtureStream:
 
 
 def encode_sft(tokenizer, items: list[Item]) -> dict[str, torch.Tensor]:
-    """Right-padded `prompt+answer+\\n` with labels only on `answer+\\n` (B, T)."""
+    """Right-padded `prompt+answer+\\n` with labels only on `answer+\\n` (B, T). Prompt and answer are
+    encoded separately and their ids concatenated, never the joined text: generation continues from
+    the prompt's ids, so with a BPE this is the split the model meets when it answers."""
     prompts = [tokenizer(it.prompt, add_special_tokens=False).input_ids for it in items]
     answers = [tokenizer(it.answer + "\n", add_special_tokens=False).input_ids for it in items]
     T = max(len(p) + len(a) for p, a in zip(prompts, answers))

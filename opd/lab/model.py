@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
+from opd.lab.tokenizer import newline_id
+
 
 class ModelShape(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -14,7 +16,8 @@ class ModelShape(BaseModel):
     num_attention_heads: int = Field(6, gt=0, description="query heads")
     num_key_value_heads: int = Field(2, gt=0, description="key/value heads (GQA)")
     intermediate_size: int = Field(512, gt=0, description="MLP width")
-    max_position_embeddings: int = Field(64, gt=0, description="longest prompt + answer, in characters")
+    max_position_embeddings: int = Field(64, gt=0, description="longest prompt + answer, in tokens (characters "
+                                         "with the char tokenizer)")
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -43,6 +46,6 @@ def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, seed: int
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     # Answers end with a newline: generation stops there as well as on <eos>.
-    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("\n"), tokenizer.eos_token_id]
+    model.generation_config.eos_token_id = [newline_id(tokenizer), tokenizer.eos_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -10,16 +10,17 @@ PICO = ModelShape(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, nu
                   intermediate_size=64, max_position_embeddings=64)
 
 
-def pretrain_pico(capability: str = "count", steps: int = 120, shape: ModelShape = PICO):
+def pretrain_pico(capability: str = "count", steps: int = 120, shape: ModelShape = PICO, tokenizer=None):
     """A lab model of `shape` trained for `steps` supervised batches on `capability` (seconds for
-    pico sizes): it scores clearly above 0 but below 1. Returns (model, tokenizer)."""
+    pico sizes): it scores clearly above 0 but below 1. `tokenizer`: default the char one.
+    Returns (model, tokenizer)."""
     import torch
 
     from opd.lab.data import MixtureStream, encode_sft
     from opd.lab.model import build_model
     from opd.lab.tokenizer import build_char_tokenizer
 
-    tok = build_char_tokenizer()
+    tok = tokenizer or build_char_tokenizer()
     model = build_model(shape, tok, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     stream = MixtureStream({capability: 1.0}, seed=0)
@@ -31,21 +32,21 @@ def pretrain_pico(capability: str = "count", steps: int = 120, shape: ModelShape
     return model, tok
 
 
-def build_trained_pico(out: Path, capability: str = "count", steps: int = 120) -> Path:
+def build_trained_pico(out: Path, capability: str = "count", steps: int = 120, tokenizer=None) -> Path:
     """`pretrain_pico`, written to `out` as an HF directory with its tokenizer, so score comparisons
     in tests and benches mean something."""
-    model, tok = pretrain_pico(capability, steps)
+    model, tok = pretrain_pico(capability, steps, tokenizer=tokenizer)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
 
 def build_fake_lab(root: Path, capabilities=("add", "rev"), shape: ModelShape = PICO, scale: float = 0.02,
-                   base: Path | None = None) -> dict:
+                   base: Path | None = None, tokenizer=None) -> dict:
     """Write root/base and root/experts/<cap>/ (HF dirs + manifest.json); returns their paths.
 
-    The base is a fresh pico model of `shape`, or a copy of the model directory `base` (e.g. one
-    from `build_trained_pico`); each expert is the base plus a seeded sparse-ish random task vector
+    The base is a fresh pico model of `shape` (with `tokenizer`, default the char one), or a copy of
+    the model directory `base` (e.g. one from `build_trained_pico`); each expert is the base plus a seeded sparse-ish random task vector
     (MLP and query weights), with a manifest like a trained expert's (scores 0)."""
     import json
 
@@ -58,7 +59,7 @@ def build_fake_lab(root: Path, capabilities=("add", "rev"), shape: ModelShape = 
 
     root = Path(root)
     if base is None:
-        tok = build_char_tokenizer()
+        tok = tokenizer or build_char_tokenizer()
 
         def load():
             return build_model(shape, tok, seed=0)

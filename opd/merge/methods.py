@@ -254,10 +254,11 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
         doc["base_model"] = paths[base]
     if cand.shared:
         doc["parameters"] = dict(cand.shared)
-    # The tokenizer is the first input's: the inputs were checked to share one vocabulary.
-    doc["tokenizer_source"] = "base" if base is not None else None
-    if doc["tokenizer_source"] is None:
-        del doc["tokenizer_source"]
+    # No `tokenizer_source`: the inputs were checked to share one tokenizer (opd.paths.
+    # require_same_tokenizer), so mergekit copies the donor's tokenizer files as they are, and with
+    # them generation_config.json, whose eos list holds the "\n" stop. With `tokenizer_source: base`
+    # mergekit re-saves the tokenizer and drops generation_config.json: the merged model then
+    # generated past the end of its answers.
     return doc
 
 

@@ -18,7 +18,7 @@ from pydantic import (
 from opd.config import load_yaml_model
 from opd.distill.config import DistillConfig
 from opd.errors import OpdError
-from opd.paths import NAME_PATTERN, redact_url, require_model_dir
+from opd.paths import NAME_PATTERN, redact_url, require_model_dir, require_same_tokenizer
 
 Scalar = bool | int | float | str
 
@@ -227,9 +227,7 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
             raise OpdError(f"expert {n!r} is a {cfg.architectures} ({cfg.model_type}); the base is a "
                            f"{base_cfg.architectures} ({base_cfg.model_type}): weight merging needs one architecture")
     tokenizer = AutoTokenizer.from_pretrained(base_path)
-    for n, p in paths.items():
-        if AutoTokenizer.from_pretrained(p).get_vocab() != tokenizer.get_vocab():
-            raise OpdError(f"expert {n!r} has a different tokenizer vocabulary from the base {base_path}")
+    require_same_tokenizer(("the base", tokenizer), {f"expert {n!r}": p for n, p in paths.items()})
     base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype="float32")
     base_hash = state_dict_hash(base_model)
     for n, m in manifests.items():

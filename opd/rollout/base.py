@@ -37,7 +37,10 @@ class Rollout:
     completion_ids ends with the stop token ("\\n" or eos) when one was sampled, and `logprobs` has
     one entry per completion id: the model's log-softmax at temperature 1 (before any temperature,
     top-p or top-k reshaping), i.e. the log-prob a teacher-forced forward pass gives the same token.
-    `text` is the decoded completion, stop token included.
+    `text` is the decoded completion: the "\n" stop included, special tokens (<eos>) left out, as
+    lm-eval decodes its generations, so an answer ended by <eos> is rewarded as lm-eval scores it.
+    Training uses `completion_ids` as sampled, never `text` re-tokenized: with a BPE the same text
+    has several tokenizations, and the sampled one is what the log-probs belong to.
     """
 
     prompt: str

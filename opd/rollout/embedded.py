@@ -38,7 +38,7 @@ class EmbeddedEngine:
             for start in range(0, len(prompts), per_call):
                 chunk = encoded[start : start + per_call]
                 samples = self._generate_groups(chunk, n, params)  # prompt-major: n rows per prompt
-                texts = self.tokenizer.batch_decode([ids for ids, _ in samples])
+                texts = self.tokenizer.batch_decode([ids for ids, _ in samples], skip_special_tokens=True)
                 for k, p_ids in enumerate(chunk):
                     rows = range(k * n, (k + 1) * n)
                     out.append([Rollout(prompts[start + k], list(p_ids), samples[r][0], texts[r], samples[r][1])

@@ -264,7 +264,7 @@ class SGLangEngine:
                                f"max_new_tokens={params.max_new_tokens}")
             ids = cut_at_stop([self._check_id(e[1], f"sglang server {self.base_url}: sample {k}") for e in entries], stops)
             lps = [_logprob(e[0], self.base_url, f"sample {k}") for e in entries[: len(ids)]]
-            out[i].append(Rollout(prompts[i], list(p_ids), ids, self.tokenizer.decode(ids), lps))
+            out[i].append(Rollout(prompts[i], list(p_ids), ids, self.tokenizer.decode(ids, skip_special_tokens=True), lps))
         return out
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
