@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
+from opd.merge.layers import LayerLayout, LayerValues, layout_for, resolve, setting
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
@@ -59,6 +60,8 @@ class Strategy:
     init: str | None = None
     # DistillConfig settings that define the strategy itself (not searchable), e.g. GSPO's kl_weight 0
     distill_fixed: dict[str, Any] | None = None
+    # The float parameters a recipe may search per layer group (opd.merge.layers)
+    layerwise: frozenset[str] = frozenset()
 
     @property
     def distill(self) -> bool:
@@ -86,8 +89,17 @@ def _build_registry() -> dict[str, Strategy]:
         for p in spec.parameters:
             default = None if p.required else p.default
             (shared if p.scope == ParameterScope.SHARED else per_model)[p.name] = default
-        out[spec.name] = Strategy(spec.name, _INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name)
+        floats = frozenset(p.name for p in spec.parameters if _is_float(p.value_type))
+        out[spec.name] = Strategy(spec.name, _INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name,
+                                  layerwise=floats)
     return out
+
+
+def _is_float(value_type) -> bool:
+    """Whether a mergekit parameter's type is float (possibly Annotated with bounds)."""
+    if get_origin(value_type) is Annotated:
+        value_type = get_args(value_type)[0]
+    return value_type is float
 
 
 STRATEGIES: dict[str, Strategy] = _build_registry()
@@ -118,7 +130,7 @@ def get_strategy(name: str) -> Strategy:
         m = STRATEGIES[name[: -len(HYBRID_SUFFIX)]]
         if not m.distill:
             return Strategy(name, m.inputs, {**m.shared, **OPD_SHARED}, {**m.per_model, **OPD_PER_MODEL},
-                            f"OPD from {m.pretty}", dict(OPD_SHARED), m.name)
+                            f"OPD from {m.pretty}", dict(OPD_SHARED), m.name, layerwise=m.layerwise)
     if name not in STRATEGIES:
         raise OpdError(f"merge strategy {name!r} is unknown; strategies opd can search: {sorted(STRATEGIES)}"
                        f" and '<method>{HYBRID_SUFFIX}' hybrids of a mergekit method with OPD")
@@ -169,14 +181,24 @@ def check_inputs(strategy: Strategy, n_experts: int) -> None:
         raise OpdError(f"strategy {strategy.name!r} cannot merge {n_experts} experts: {e}") from None
 
 
+# A parameter's value: a scalar, or one value per layer group (opd.merge.layers).
+Value = LayerValues | bool | int | float | str
+
+
 class Candidate(BaseModel):
     """One point of the search space: a method, its shared parameters, per-expert parameters."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     strategy: str
-    shared: dict[str, Any] = Field(default_factory=dict)
-    per_model: dict[str, dict[str, Any]] = Field(default_factory=dict, description="expert -> {param: value}")
+    shared: dict[str, Value] = Field(default_factory=dict)
+    per_model: dict[str, dict[str, Value]] = Field(default_factory=dict, description="expert -> {param: value}")
     seed: int = Field(0, description="torch seed for the randomised methods (DARE, DELLA)")
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether some parameter has a value per layer group."""
+        values = [*self.shared.values(), *(v for ps in self.per_model.values() for v in ps.values())]
+        return any(isinstance(v, LayerValues) for v in values)
 
     def label(self) -> str:
         parts = [f"{k}={_fmt(v)}" for k, v in sorted(self.shared.items())]
@@ -194,6 +216,8 @@ def _weight_space(cand: Candidate) -> Candidate:
 
 
 def _fmt(v):
+    if isinstance(v, LayerValues):
+        return v.label()
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
@@ -218,8 +242,10 @@ def _per_model_params(cand: Candidate, strategy: Strategy, experts: list[str], i
 
 
 def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
-                    expert_sds: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML."""
+                    expert_sds: dict[str, dict[str, torch.Tensor]],
+                    layers: LayerLayout | None = None) -> dict[str, torch.Tensor]:
+    """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML.
+    A layer-wise candidate needs the models' `layers` (opd.merge.layers.layout_for)."""
     from mergekit.merge_methods import merge_state_dicts
 
     cand = _weight_space(cand)
@@ -228,9 +254,33 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
     ids, base = _layout(strategy, experts)
     models = {i: (base_sd if i == BASE_ID else expert_sds[i]) for i in ids}
     params = {**cand.shared, **_per_model_params(cand, strategy, experts, ids, base)}
+    if cand.layerwise:
+        params = _per_tensor(params, strategy.name, list(models[ids[0]]), layers)
     torch.manual_seed(cand.seed)
     with torch.no_grad():
         return merge_state_dicts(models, strategy.name, parameters=params, base=base)
+
+
+def _per_tensor(params: dict[str, Any], method: str, names: list[str], layers: LayerLayout | None) -> dict:
+    """Layer-wise values resolved tensor by tensor (mergekit's PerGroupValues, one per state-dict
+    tensor in order) with the same mergekit function and gradient position as `run_merge`."""
+    from mergekit import merge_methods as mm
+    from mergekit.merge_methods import PerGroupValues
+
+    validate = {p.name: p.validate for p in mm.get(method).spec.parameters}
+    out = {}
+    for p, v in params.items():
+        if isinstance(v, LayerValues):
+            out[p] = PerGroupValues([resolve(v, n, layers, validate[p]) for n in names])
+        elif isinstance(v, dict) and any(isinstance(x, LayerValues) for x in v.values()):
+            out[p] = PerGroupValues([{i: resolve(x, n, layers, validate[p]) for i, x in v.items()} for n in names])
+        else:
+            out[p] = v
+    return out
+
+
+def _as_setting(value: Any, base_path: str) -> Any:
+    return setting(value, layout_for(base_path)) if isinstance(value, LayerValues) else value
 
 
 def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str]) -> dict:
@@ -245,7 +295,7 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     models = []
     for i in ids:
         entry: dict[str, Any] = {"model": paths[i]}
-        ps = {p: v[i] for p, v in per.items() if i in v}
+        ps = {p: _as_setting(v[i], base_path) for p, v in per.items() if i in v}
         if ps:
             entry["parameters"] = ps
         models.append(entry)
@@ -253,7 +303,7 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     if base is not None:
         doc["base_model"] = paths[base]
     if cand.shared:
-        doc["parameters"] = dict(cand.shared)
+        doc["parameters"] = {p: _as_setting(v, base_path) for p, v in cand.shared.items()}
     # The tokenizer is the first input's: the inputs were checked to share one vocabulary.
     doc["tokenizer_source"] = "base" if base is not None else None
     if doc["tokenizer_source"] is None:
@@ -272,7 +322,7 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     cand = _weight_space(cand)
     _prepare(cand.strategy, expert_paths, cand.shared)
     if cand.strategy not in RANDOM_METHODS:
-        return merge_in_memory(cand, base_sd, expert_sds)
+        return merge_in_memory(cand, base_sd, expert_sds, layout_for(base_path) if cand.layerwise else None)
     import tempfile
 
     from safetensors.torch import load_file

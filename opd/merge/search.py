@@ -31,8 +31,9 @@ from opd.merge.interference import (
     retention,
     to_records,
 )
+from opd.merge.layers import LayerValues
 from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate, merge_part
-from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
+from opd.merge.recipe import Choices, LayerRange, MergeInputs, MergeRecipe, load_inputs
 from opd.merge.weightspace import weightspace_interference
 from opd.paths import check_output, redact_url
 
@@ -146,7 +147,8 @@ def available_strategies(trial: optuna.Trial, recipe: MergeRecipe) -> list[str]:
 
 
 def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Candidate:
-    """Sample one candidate; every parameter is named `<strategy>.<param>[.<expert>]`."""
+    """Sample one candidate; every parameter is named `<strategy>.<param>[.<expert>]`, a layer-wise
+    one `<strategy>.<param>[.<expert>]@<group>` (embed, block0, block1, ..., head)."""
     names = available_strategies(trial, recipe)
     if not names:
         trial.study.stop()
@@ -166,6 +168,11 @@ def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Can
             return trial.suggest_float(key, lo, hi)
         if isinstance(spec, Choices):
             return trial.suggest_categorical(key, spec.choices)
+        if isinstance(spec, LayerRange):  # one value per group: <key>@embed, <key>@block<i>, <key>@head
+            lo, hi = spec.range
+            return LayerValues(embed=trial.suggest_float(f"{key}@embed", lo, hi),
+                               blocks=[trial.suggest_float(f"{key}@block{i}", lo, hi) for i in range(spec.layer_groups)],
+                               head=trial.suggest_float(f"{key}@head", lo, hi))
         return spec
 
     def strategy_default(key):
