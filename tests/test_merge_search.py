@@ -21,6 +21,7 @@ from test_merge_fakes import PICO, build_fake_lab, write_recipe
 from opd.errors import OpdError
 from opd.merge import load_recipe, run_recipe
 from opd.merge.interference import pareto_front, retention
+from opd.merge.trials import read
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = Path(__file__).resolve().parents[1]
@@ -258,7 +259,7 @@ def test_cheap_first_promotes_only_promising_candidates(tmp_path):
     study = open_study(recipe, 3, resume=False, worker=False)
     run_search(recipe, inputs, scorer, refs, study, live=False)
     trials = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    stages = [t.user_attrs["stage"] for t in trials]
+    stages = [read(t).stage for t in trials]
     assert len(trials) == 12 and stages[:2] == ["full", "full"] and "screen" in stages
     assert scorer.calls.count(("val", 5)) == 12  # every candidate screened on 5 items
     assert scorer.calls.count(("val", None)) == stages.count("full")  # only promoted ones on the full split

@@ -8,13 +8,19 @@ A candidate is one method plus concrete parameters. The same candidate becomes e
 in-memory `mergekit.merge_methods.merge_state_dicts` call (the search's fast path) or a
 mergekit YAML that `mergekit-yaml` / `run_merge` reproduces tensor for tensor.
 
-OPD strategies (run by `opd.distill.strategy`): `opd` (student from the base), `merge_opd` (student
-from the best weight-space candidate the search has scored so far) and `<method>+opd` hybrids
-(student from that mergekit method's merge, whose parameters are searched with the OPD settings).
+OPD strategies (`DistillStrategy`, trained by `opd.distill.strategy`): `opd` (student from the base),
+`merge_opd` (student from the best weight-space candidate the search has scored so far) and a
+registered `<method>+opd` hybrid per method (student from that method's merge, whose parameters are
+searched with the OPD settings).
+
+Every strategy is one object in `STRATEGIES` with one interface (`Strategy`): the search asks it
+whether it waits for merges, what it records before building, how it builds weights (`build`) and
+whether a killed trial resumes; it never branches on a strategy's name or kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
@@ -47,7 +53,8 @@ _REQUIRED_DEFAULTS = {"weight": 1.0}
 
 @dataclass(frozen=True)
 class Strategy:
-    """A mergekit method as opd uses it: its inputs and its searchable parameters."""
+    """A strategy as the search sees it: its inputs, its searchable parameters, and how it turns a
+    candidate into weights (`build`). The search and report ask these methods, never the name."""
 
     name: str
     inputs: str
@@ -70,6 +77,107 @@ class Strategy:
     @property
     def parameters(self) -> list[str]:
         return list(self.shared) + list(self.per_model)
+
+    # What the search asks of every strategy (a weight-space merge's answers here; OPD overrides).
+    weight_space = True  # its weights are a mergekit merge of the inputs (it exports as a YAML)
+    waits_for_merges = False  # it starts from the search's best merge, so it waits for one
+    resumable = False  # a killed trial is queued again with its record (its run resumes)
+    stage = "merge search"  # the report's stage its trials' minutes count towards
+
+    def merge_part(self, cand: Candidate) -> Candidate | None:
+        """The weight-space candidate its weights are or start from (None: the base or the best)."""
+        return cand
+
+    def check_inputs(self, n_experts: int) -> None:
+        """Refuse a method that cannot take this many experts, before any work is done."""
+        from mergekit import merge_methods as mm
+
+        ids = [f"e{i}" for i in range(n_experts)]
+        if self.inputs == "pair":
+            if n_experts not in (1, 2):
+                raise OpdError(f"strategy {self.name!r} merges exactly two models (base + 1 expert, or 2 experts);"
+                               f" the recipe has {n_experts} experts")
+            return
+        base = BASE_ID if self.inputs == "base+experts" else None
+        try:
+            mm.get(self.name).spec.contract.validate_ids(ids + ([BASE_ID] if base else []), base)
+        except ValueError as e:
+            raise OpdError(f"strategy {self.name!r} cannot merge {n_experts} experts: {e}") from None
+
+    def check_params(self, params: dict[str, Any], distill) -> None:
+        """Refuse (ValueError) fixed parameters that cannot work with the recipe's `distill` block."""
+
+    def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
+        """Trial-record fields to set before the first build (`best_merge`: the search's best so far)."""
+        return {}
+
+    def build(self, inputs, cand: Candidate, ctx: BuildContext | None = None) -> tuple[dict, dict[str, Any]]:
+        """(weights, trial-record fields) of the candidate; a merge needs no context."""
+        paths = {e: str(p) for e, p in inputs.expert_paths.items()}
+        return merge_candidate(cand, str(inputs.base_path), paths, inputs.base_sd, inputs.expert_sds), {}
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a trained strategy needs beyond its inputs: the recipe, its trial's record (`opd_init`),
+    the trial number its run directory is named by, and the scorer for keep-best checks."""
+
+    recipe: Any
+    opd_init: Candidate | None
+    number: int
+    evaluate_fn: Callable | None = None
+    references: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class DistillStrategy(Strategy):
+    """OPD (and its off-policy and GSPO baselines): a student trained from the experts as teachers,
+    starting from the base, the search's best merge, or a mergekit method's merge (a hybrid)."""
+
+    weight_space = False
+    resumable = True
+    stage = "OPD"
+
+    @property
+    def waits_for_merges(self) -> bool:
+        return self.init == "best"
+
+    def merge_part(self, cand: Candidate) -> Candidate | None:
+        if self.init in ("base", "best"):
+            return None
+        method = get_strategy(self.init)
+        return Candidate(strategy=method.name, shared={k: v for k, v in cand.shared.items() if k in method.shared},
+                         per_model={e: {k: v for k, v in ps.items() if k in method.per_model}
+                                    for e, ps in cand.per_model.items()}, seed=cand.seed)
+
+    def check_inputs(self, n_experts: int) -> None:
+        if self.init not in ("base", "best"):
+            get_strategy(self.init).check_inputs(n_experts)
+
+    def check_params(self, params: dict[str, Any], distill) -> None:
+        from pydantic import ValidationError
+
+        fixed = {p: v for p, v in params.items() if p in self.distill_shared and isinstance(v, bool | int | float | str)}
+        try:
+            type(distill).model_validate({**distill.model_dump(), **fixed, **(self.distill_fixed or {})})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"strategy {self.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+    def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
+        init = self.merge_part(cand)
+        return {"opd_init": best_merge() if init is None and self.init == "best" else init}
+
+    def build(self, inputs, cand: Candidate, ctx: BuildContext | None = None) -> tuple[dict, dict[str, Any]]:
+        from opd.distill.strategy import opd_student
+
+        if ctx is None:
+            raise ValueError(f"strategy {cand.strategy!r} trains a student: build() needs its trial's context")
+        init = ctx.opd_init
+        init_sd = get_strategy(init.strategy).build(inputs, init)[0] if init else inputs.base_sd
+        sd, history = opd_student(inputs, cand, ctx.recipe, init_sd, ctx.recipe.out_dir / "opd" / f"trial-{ctx.number}",
+                                  evaluate_fn=ctx.evaluate_fn, references=ctx.references)
+        return sd, {"opd_history": history}
 
 
 def _build_registry() -> dict[str, Strategy]:
@@ -111,44 +219,41 @@ OPD_SHARED = {"steps": 50, "lr": 3e-4, "estimator": "sampled", "reward_weight": 
               "warmstart_lr": 1e-3}
 OPD_PER_MODEL = {"teacher_weight": 1.0}
 HYBRID_SUFFIX = "+opd"
-STRATEGIES["opd"] = Strategy("opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the base", dict(OPD_SHARED), "base")
-STRATEGIES["merge_opd"] = Strategy("merge_opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the best merge so far",
-                                   dict(OPD_SHARED), "best")
+_OPD = (dict(OPD_SHARED), dict(OPD_PER_MODEL))
+STRATEGIES["opd"] = DistillStrategy("opd", "distill", *_OPD, "OPD from the base", dict(OPD_SHARED), "base")
+STRATEGIES["merge_opd"] = DistillStrategy("merge_opd", "distill", *_OPD, "OPD from the best merge so far",
+                                          dict(OPD_SHARED), "best")
 # What a user would do instead of OPD, run by the same loop so that tokens and minutes compare:
 # supervised training on teacher samples the verifier accepts (off-policy distillation, no
 # on-policy steps), and multi-task GSPO from the base on verifier rewards alone (no teacher).
-STRATEGIES["offpolicy"] = Strategy("offpolicy", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL),
-                                   "off-policy distillation (SFT on verified teacher samples)", dict(OPD_SHARED),
-                                   "base", {"steps": 0})
-STRATEGIES["gspo"] = Strategy("gspo", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL),
-                              "multi-task GSPO on verifier rewards", dict(OPD_SHARED), "base",
-                              {"kl_weight": 0.0, "reward_weight": 1.0, "warmstart_steps": 0})
+STRATEGIES["offpolicy"] = DistillStrategy("offpolicy", "distill", *_OPD,
+                                          "off-policy distillation (SFT on verified teacher samples)",
+                                          dict(OPD_SHARED), "base", {"steps": 0})
+STRATEGIES["gspo"] = DistillStrategy("gspo", "distill", *_OPD, "multi-task GSPO on verifier rewards",
+                                     dict(OPD_SHARED), "base", {"kl_weight": 0.0, "reward_weight": 1.0,
+                                                                "warmstart_steps": 0})
+# `<method>+opd`: OPD from that method's merge, its parameters searched with the OPD settings.
+HYBRIDS = {f"{m.name}{HYBRID_SUFFIX}": DistillStrategy(
+    f"{m.name}{HYBRID_SUFFIX}", m.inputs, {**m.shared, **OPD_SHARED}, {**m.per_model, **OPD_PER_MODEL},
+    f"OPD from {m.pretty}", dict(OPD_SHARED), m.name, layerwise=m.layerwise)
+    for m in list(STRATEGIES.values()) if m.weight_space}
+STRATEGIES.update(HYBRIDS)
+# The report's stages that strategies' trial minutes count towards, in order ("merge search" first).
+STAGES = list(dict.fromkeys([Strategy.stage, *(s.stage for s in STRATEGIES.values())]))
 
 
 def get_strategy(name: str) -> Strategy:
-    if name.endswith(HYBRID_SUFFIX) and name[: -len(HYBRID_SUFFIX)] in STRATEGIES:
-        m = STRATEGIES[name[: -len(HYBRID_SUFFIX)]]
-        if not m.distill:
-            return Strategy(name, m.inputs, {**m.shared, **OPD_SHARED}, {**m.per_model, **OPD_PER_MODEL},
-                            f"OPD from {m.pretty}", dict(OPD_SHARED), m.name, layerwise=m.layerwise)
     if name not in STRATEGIES:
-        raise OpdError(f"merge strategy {name!r} is unknown; strategies opd can search: {sorted(STRATEGIES)}"
-                       f" and '<method>{HYBRID_SUFFIX}' hybrids of a mergekit method with OPD")
+        raise OpdError(f"merge strategy {name!r} is unknown; strategies opd can search: "
+                       f"{sorted(n for n in STRATEGIES if n not in HYBRIDS)} and '<method>{HYBRID_SUFFIX}' "
+                       "hybrids of a mergekit method with OPD")
     return STRATEGIES[name]
 
 
 def merge_part(cand: Candidate) -> Candidate | None:
     """The weight-space candidate a strategy starts from: itself for a mergekit method, the merge
     half of a `<method>+opd` hybrid, None for OPD from the base or from the search's best."""
-    strategy = get_strategy(cand.strategy)
-    if not strategy.distill:
-        return cand
-    if strategy.init in ("base", "best"):
-        return None
-    method = get_strategy(strategy.init)
-    return Candidate(strategy=method.name, shared={k: v for k, v in cand.shared.items() if k in method.shared},
-                     per_model={e: {k: v for k, v in ps.items() if k in method.per_model}
-                                for e, ps in cand.per_model.items()}, seed=cand.seed)
+    return get_strategy(cand.strategy).merge_part(cand)
 
 
 def distill_part(cand: Candidate) -> tuple[dict[str, Any], dict[str, float]]:
@@ -162,23 +267,7 @@ def distill_part(cand: Candidate) -> tuple[dict[str, Any], dict[str, float]]:
 
 def check_inputs(strategy: Strategy, n_experts: int) -> None:
     """Refuse a method that cannot take this many experts, before any work is done."""
-    from mergekit import merge_methods as mm
-
-    if strategy.distill:
-        if strategy.init not in ("base", "best"):
-            check_inputs(get_strategy(strategy.init), n_experts)
-        return
-    ids = [f"e{i}" for i in range(n_experts)]
-    if strategy.inputs == "pair":
-        if n_experts not in (1, 2):
-            raise OpdError(f"strategy {strategy.name!r} merges exactly two models (base + 1 expert, or 2 experts);"
-                           f" the recipe has {n_experts} experts")
-        return
-    base = BASE_ID if strategy.inputs == "base+experts" else None
-    try:
-        mm.get(strategy.name).spec.contract.validate_ids(ids + ([BASE_ID] if base else []), base)
-    except ValueError as e:
-        raise OpdError(f"strategy {strategy.name!r} cannot merge {n_experts} experts: {e}") from None
+    strategy.check_inputs(n_experts)
 
 
 # A parameter's value: a scalar, or one value per layer group (opd.merge.layers).

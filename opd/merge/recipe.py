@@ -176,13 +176,7 @@ class MergeRecipe(BaseModel):
                         raise ValueError(f"strategy {name!r}: {p!r} cannot be searched per layer group; {can}")
                     if not v.range[0] <= v.range[1]:
                         raise ValueError(f"strategy {name!r}: range for {p!r} must be [low, high]")
-            if strategy.distill:
-                fixed = {p: v for p, v in params.items() if p in strategy.distill_shared and not isinstance(v, tuple | Choices)}
-                try:
-                    DistillConfig.model_validate({**self.distill.model_dump(), **fixed, **(strategy.distill_fixed or {})})
-                except ValidationError as e:
-                    err = e.errors()[0]
-                    raise ValueError(f"strategy {name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+            strategy.check_params(params, self.distill)
         for name in self.budget.per_strategy:
             if name not in self.strategies:
                 raise ValueError(f"budget.per_strategy names {name!r}, which is not among the strategies")
