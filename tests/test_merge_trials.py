@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import optuna
+import json
 
+import optuna
+import pytest
+
+from opd.errors import OpdError
+from opd.merge.export import export_trial
 from opd.merge.methods import HYBRIDS, STRATEGIES, Candidate, get_strategy
 from opd.merge.trials import KEY, TrialRecord, from_results, queued, read, update
 
@@ -62,3 +67,12 @@ def test_results_entry_reads_back_as_the_record():
     rec = TrialRecord(candidate=CAND, stage="full", scores={"add": (0.5, 0.1, 20)}, resume_of=0)
     entry = {"number": 3, "values": [0.5], "params": {"x": 1}, **rec.fields()}
     assert from_results(entry) == rec
+
+
+def test_export_refuses_a_student_naming_its_run(tmp_path):
+    """The export asks the strategy (not its name) whether the trial is a merge; a resumed OPD trial's
+    weights are in the run directory of the trial it resumed."""
+    entry = {"number": 1, "values": [0.5], "params": {}, "candidate": {"strategy": "opd"}, "resume_of": 0}
+    (tmp_path / "results.json").write_text(json.dumps({"trials": [entry]}))
+    with pytest.raises(OpdError, match="trial 1 is a distilled student \\(opd\\).*opd/trial-0/student.safetensors"):
+        export_trial(tmp_path, 1)
