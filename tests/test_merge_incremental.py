@@ -14,6 +14,7 @@ import opd.evaluation.api as api
 from opd.io import state_dict_hash
 from opd.merge import load_recipe, run_recipe
 from opd.merge.history import inputs_key, warm_params
+from opd.merge.trials import read
 
 
 def new_version(expert_dir, delta: float = 0.05) -> tuple[str, str]:
@@ -80,7 +81,8 @@ def test_rerun_after_one_expert_changed(tmp_path, monkeypatch, scored):
     assert len(done) == 4
     old_params = {t["number"]: t["params"] for t in first["trials"]}
     for t, n in zip(study.trials, prev_final):
-        assert t.user_attrs["warm_start_of"] == n and t.user_attrs["stage"] == "full"  # not screened first
+        rec = read(t)
+        assert rec.warm_start_of == n and rec.stage == "full"  # not screened first
         want = {("strategy" if k.startswith("strategy") else k): v for k, v in old_params[n].items()}
         assert t.params == want
 

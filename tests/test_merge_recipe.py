@@ -41,6 +41,17 @@ def test_overrides_are_dotted_and_parsed_as_yaml(tmp_path):
         r.seed = 3  # frozen
 
 
+def test_layerwise_spec_validates(tmp_path):
+    from opd.merge.recipe import LayerRange
+
+    r = load_recipe(_write(tmp_path, BASIC), ["strategies.ties.density={range: [0.2, 0.9], layer_groups: 3}"])
+    assert r.strategies["ties"]["density"] == LayerRange(range=(0.2, 0.9), layer_groups=3)
+    assert r.model_dump(mode="json")["strategies"]["ties"]["density"] == {"range": [0.2, 0.9], "layer_groups": 3}
+    # a hybrid's merge half too
+    r = load_recipe(_write(tmp_path, BASIC), ["strategies.ties+opd={density: {range: [0.2, 0.9], layer_groups: 2}}"])
+    assert r.strategies["ties+opd"]["density"].layer_groups == 2
+
+
 @pytest.mark.parametrize("override, words", [
     ("split=test", "val' only"),
     ("bogus=1", "field 'bogus': unknown field"),
@@ -50,6 +61,14 @@ def test_overrides_are_dotted_and_parsed_as_yaml(tmp_path):
     ("budget.n_trials=null", "give n_trials, timeout_s"),
     ("capabilities=[nosuchcap]", "nosuchcap"),
     ("noequals", "expected key=value"),
+    ("strategies.ties.density={range: [0.2, 0.9], layer_groups: 0}",
+     "'strategies.ties.density.layers.layer_groups': Input should be greater than or equal to 1"),
+    ("strategies.ties.density={range: [0.9, 0.2], layer_groups: 2}", "range for 'density' must be [low, high]"),
+    ("strategies.ties.density={range: [0.2, 0.9, 1.0], layer_groups: 2}", "density.layers.range"),
+    ("strategies.ties.int8_mask={range: [0, 1], layer_groups: 2}",
+     "'int8_mask' cannot be searched per layer group; its float parameters can: ['density', 'lambda', 'weight']"),
+    ("strategies.opd={lr: {range: [0.001, 0.01], layer_groups: 2}}",
+     "'lr' cannot be searched per layer group; only a weight-space merge method's float parameters can"),
 ])
 def test_bad_recipes_fail_in_one_line(tmp_path, override, words):
     with pytest.raises(OpdError) as e:

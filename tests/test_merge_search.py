@@ -22,6 +22,7 @@ from test_merge_fakes import PICO, build_fake_lab, write_recipe
 from opd.errors import OpdError
 from opd.merge import load_recipe, run_recipe
 from opd.merge.interference import pareto_front, retention
+from opd.merge.trials import read
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = Path(__file__).resolve().parents[1]
@@ -36,29 +37,37 @@ def test_retention_and_pareto_by_hand():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One small search (4 trials, 2 strategies) shared by the output checks."""
+    """One small search (4 trials, 2 strategies, ties' density searched per layer group) shared by the
+    output checks."""
     tmp = tmp_path_factory.mktemp("search")
     os.environ["OPD_CACHE"] = str(tmp / "cache")
     lab = build_fake_lab(tmp / "lab")
-    recipe = load_recipe(write_recipe(tmp / "r.yaml", lab, tmp / "out"))
+    strategies = {"ties": {"density": {"range": [0.3, 1.0], "layer_groups": 2}, "weight": [0.5, 1.0]},
+                  "linear": {"weight": [0.2, 1.0]}}
+    recipe = load_recipe(write_recipe(tmp / "r.yaml", lab, tmp / "out", strategies=strategies))
     torch.set_num_threads(1)
     return recipe, run_recipe(recipe, live=False, log=lambda *a: None)
 
 
 def test_export_rebuilds_a_trial_with_mergekits_run_merge(run, capsys):
     """`python -m opd.merge export <run> <trial>`: the YAML, and the model run_merge builds from it,
-    equal to the search's merge; an unknown trial is one line and exit code 2, nothing written."""
+    equal to the search's merge (also for a layer-wise trial: its density is a mergekit gradient);
+    an unknown trial is one line and exit code 2, nothing written."""
+    import yaml
     from safetensors.torch import load_file
 
     from opd.merge.__main__ import main
     from opd.merge.export import export_trial
 
     recipe, summary = run
-    trial = next(t for t in summary["trials"] if t["candidate"]["strategy"] != "opd")
+    trial = next(t for t in summary["trials"] if t["candidate"]["strategy"] == "ties")
     out = export_trial(recipe.out_dir, trial["number"], log=lambda *a: None)
     assert (out / "mergekit.yaml").exists() and load_file(next(out.glob("*.safetensors")))
     m = json.loads((out / "manifest.json").read_text())
     assert m["kind"] == "export" and m["reproduced"]["max_abs_diff"] <= 1e-5 and m["reproduced"]["tensors"] > 0
+    # one density per group: the embeddings' and the head's by filter, 2 gradient points for the blocks
+    density = yaml.safe_load((out / "mergekit.yaml").read_text())["models"][1]["parameters"]["density"]
+    assert density[0]["filter"] == "model.embed_tokens.weight" and len(density[-1]["value"]) == 2
     with pytest.raises(SystemExit) as e:
         main(["export", str(recipe.out_dir), "999"])
     assert e.value.code == 2 and "trial 999: not a finished trial" in capsys.readouterr().err
@@ -283,7 +292,7 @@ def test_cheap_first_promotes_only_promising_candidates(tmp_path):
     study = open_study(recipe, 3, resume=False, worker=False)
     run_search(recipe, inputs, scorer, refs, study, live=False)
     trials = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    stages = [t.user_attrs["stage"] for t in trials]
+    stages = [read(t).stage for t in trials]
     assert len(trials) == 12 and stages[:2] == ["full", "full"] and "screen" in stages
     assert scorer.calls.count(("val", 5)) == 12  # every candidate screened on 5 items
     assert scorer.calls.count(("val", None)) == stages.count("full")  # only promoted ones on the full split

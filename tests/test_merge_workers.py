@@ -19,6 +19,7 @@ from conftest import skip_missing
 from test_merge_fakes import build_fake_lab, write_recipe
 
 from opd.merge import load_recipe, run_recipe
+from opd.merge.trials import read, update
 
 REPO = Path(__file__).resolve().parents[1]
 N_TRIALS = 8
@@ -82,7 +83,7 @@ def test_two_workers_share_one_study(tmp_path, storage, monkeypatch):
     (name,) = optuna.get_all_study_names(storage)
     study = optuna.load_study(study_name=name, storage=storage)
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    by = {t.user_attrs["worker"] for t in done}
+    by = {read(t).worker for t in done}
     assert len(by) == 2 and {int(w.split(":")[1]) for w in by} == {w.pid for w in workers}
     # MaxTrialsCallback stops a worker once N trials are complete, but a trial the other worker is
     # running then still finishes: Optuna's documented overshoot is at most workers - 1.
@@ -111,8 +112,8 @@ def test_resume_fails_only_abandoned_trials(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = socket.gethostname()
     live_t, dead_t = study.ask(), study.ask()
-    live_t.set_user_attr("worker", f"{host}:{os.getpid()}")
-    dead_t.set_user_attr("worker", f"{host}:{int(dead.stdout)}")
+    update(live_t, worker=f"{host}:{os.getpid()}")
+    dead_t.set_user_attr("worker", f"{host}:{int(dead.stdout)}")  # a study from before the trial record
     study = open_study(recipe, 1, resume=True, worker=False)
     states = {t.number: t.state for t in study.trials}
     assert states == {live_t.number: optuna.trial.TrialState.RUNNING, dead_t.number: optuna.trial.TrialState.FAIL}

@@ -1,7 +1,7 @@
 """OPD as a search strategy: train one candidate's student from the search's loaded base and experts.
 
-The search (opd.merge.search) calls `opd_student` for candidates of the `opd`, `merge_opd` and
-`<method>+opd` strategies. Students are cached per trial, so re-scoring on test and saving the best
+The OPD strategies' `build` (opd.merge.methods.DistillStrategy: `opd`, `merge_opd`, `<method>+opd`,
+`offpolicy`, `gspo`) calls `opd_student`. Students are cached per trial, so re-scoring on test and saving the best
 model never retrain, and a killed trial's run resumes from its checkpoint.
 """
 

@@ -21,8 +21,9 @@ def export_trial(run_dir: str | Path, number: int, out: str | Path | None = None
     from safetensors.torch import load_file
 
     from opd.io import atomic_dir
-    from opd.merge.methods import Candidate, get_strategy, merge_candidate, mergekit_config, run_mergekit
+    from opd.merge.methods import get_strategy, merge_candidate, mergekit_config, run_mergekit
     from opd.merge.recipe import MergeRecipe, load_inputs
+    from opd.merge.trials import from_results
     from opd.paths import check_output
 
     run_dir = Path(run_dir)
@@ -35,9 +36,11 @@ def export_trial(run_dir: str | Path, number: int, out: str | Path | None = None
     if trial is None:
         have = ", ".join(str(t["number"]) for t in summary["trials"])
         raise OpdError(f"trial {number}: not a finished trial of {run_dir} (finished: {have})")
-    cand = Candidate.model_validate(trial["candidate"])
-    if get_strategy(cand.strategy).distill:
-        student = run_dir / "opd" / f"trial-{trial.get('resume_of', number)}" / "student.safetensors"
+    rec = from_results(trial)
+    cand = rec.candidate
+    if not get_strategy(cand.strategy).weight_space:
+        run = number if rec.resume_of is None else rec.resume_of
+        student = run_dir / "opd" / f"trial-{run}" / "student.safetensors"
         raise OpdError(f"trial {number} is a distilled student ({cand.strategy}), not a merge: its weights are "
                        f"{student}")
     recipe = MergeRecipe.model_validate(summary["recipe"])

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from opd.io import atomic_write_json
-from opd.merge.recipe import Choices, MergeRecipe
+from opd.merge.recipe import Choices, LayerRange, MergeRecipe
 
 # Outputs of one study; everything else in the run directory (study.db) is shared.
 STUDY_OUTPUTS = ("results.json", "report.md", "report.html", "retention_heatmap.png", "pareto_front.png",
@@ -70,10 +70,16 @@ def previous_results(out: Path, previous: str | None) -> dict | None:
 
 
 def _in_space(recipe: MergeRecipe, experts: list[str], key: str, value) -> bool:
-    """Whether a parameter `<strategy>.<param>[.<expert>]` with this value is searched by `recipe`."""
+    """Whether a parameter `<strategy>.<param>[.<expert>][@<layer group>]` with this value is searched
+    by `recipe`."""
+    key, _, group = key.partition("@")
     strategy, param, *expert = key.split(".")
     spec = recipe.strategies.get(strategy, {}).get(param)
     if expert and expert[0] not in experts:
+        return False
+    if isinstance(spec, LayerRange):  # a block group the recipe no longer has is ignored by Optuna
+        return bool(group) and spec.range[0] <= value <= spec.range[1]
+    if group:
         return False
     if isinstance(spec, tuple):
         return spec[0] <= value <= spec[1]

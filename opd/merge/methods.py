@@ -8,21 +8,28 @@ A candidate is one method plus concrete parameters. The same candidate becomes e
 in-memory `mergekit.merge_methods.merge_state_dicts` call (the search's fast path) or a
 mergekit YAML that `mergekit-yaml` / `run_merge` reproduces tensor for tensor.
 
-OPD strategies (run by `opd.distill.strategy`): `opd` (student from the base), `merge_opd` (student
-from the best weight-space candidate the search has scored so far) and `<method>+opd` hybrids
-(student from that mergekit method's merge, whose parameters are searched with the OPD settings).
+OPD strategies (`DistillStrategy`, trained by `opd.distill.strategy`): `opd` (student from the base),
+`merge_opd` (student from the best weight-space candidate the search has scored so far) and a
+registered `<method>+opd` hybrid per method (student from that method's merge, whose parameters are
+searched with the OPD settings).
+
+Every strategy is one object in `STRATEGIES` with one interface (`Strategy`): the search asks it
+whether it waits for merges, what it records before building, how it builds weights (`build`) and
+whether a killed trial resumes; it never branches on a strategy's name or kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
+from opd.merge.layers import LayerLayout, LayerValues, layout_for, resolve, setting
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
@@ -46,7 +53,8 @@ _REQUIRED_DEFAULTS = {"weight": 1.0}
 
 @dataclass(frozen=True)
 class Strategy:
-    """A mergekit method as opd uses it: its inputs and its searchable parameters."""
+    """A strategy as the search sees it: its inputs, its searchable parameters, and how it turns a
+    candidate into weights (`build`). The search and report ask these methods, never the name."""
 
     name: str
     inputs: str
@@ -59,6 +67,8 @@ class Strategy:
     init: str | None = None
     # DistillConfig settings that define the strategy itself (not searchable), e.g. GSPO's kl_weight 0
     distill_fixed: dict[str, Any] | None = None
+    # The float parameters a recipe may search per layer group (opd.merge.layers)
+    layerwise: frozenset[str] = frozenset()
 
     @property
     def distill(self) -> bool:
@@ -67,6 +77,108 @@ class Strategy:
     @property
     def parameters(self) -> list[str]:
         return list(self.shared) + list(self.per_model)
+
+    # What the search asks of every strategy (a weight-space merge's answers here; OPD overrides).
+    weight_space = True  # its weights are a mergekit merge of the inputs (it exports as a YAML)
+    waits_for_merges = False  # it starts from the search's best merge, so it waits for one
+    resumable = False  # a killed trial is queued again with its record (its run resumes)
+    stage = "merge search"  # the report's stage its trials' minutes count towards
+
+    def merge_part(self, cand: Candidate) -> Candidate | None:
+        """The weight-space candidate its weights are or start from (None: the base or the best)."""
+        return cand
+
+    def check_inputs(self, n_experts: int) -> None:
+        """Refuse a method that cannot take this many experts, before any work is done."""
+        from mergekit import merge_methods as mm
+
+        ids = [f"e{i}" for i in range(n_experts)]
+        if self.inputs == "pair":
+            if n_experts not in (1, 2):
+                raise OpdError(f"strategy {self.name!r} merges exactly two models (base + 1 expert, or 2 experts);"
+                               f" the recipe has {n_experts} experts")
+            return
+        base = BASE_ID if self.inputs == "base+experts" else None
+        try:
+            mm.get(self.name).spec.contract.validate_ids(ids + ([BASE_ID] if base else []), base)
+        except ValueError as e:
+            raise OpdError(f"strategy {self.name!r} cannot merge {n_experts} experts: {e}") from None
+
+    def check_params(self, params: dict[str, Any], distill) -> None:
+        """Refuse (ValueError) fixed parameters that cannot work with the recipe's `distill` block."""
+
+    def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
+        """Trial-record fields to set before the first build (`best_merge`: the search's best so far)."""
+        return {}
+
+    def build(self, inputs, cand: Candidate, ctx: BuildContext | None = None) -> tuple[dict, dict[str, Any]]:
+        """(weights, trial-record fields) of the candidate; a merge needs no context."""
+        paths = {e: str(p) for e, p in inputs.expert_paths.items()}
+        return merge_candidate(cand, str(inputs.base_path), paths, inputs.base_sd, inputs.expert_sds), {}
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a trained strategy needs beyond its inputs: the recipe, its trial's record (`opd_init`),
+    the trial number its run directory is named by, and the scorer for keep-best checks."""
+
+    recipe: Any
+    opd_init: Candidate | None
+    number: int
+    evaluate_fn: Callable | None = None
+    references: dict[str, float] | None = None
+    live: bool = False  # show the student's bars in the live display (opd.display)
+
+
+@dataclass(frozen=True)
+class DistillStrategy(Strategy):
+    """OPD (and its off-policy and GSPO baselines): a student trained from the experts as teachers,
+    starting from the base, the search's best merge, or a mergekit method's merge (a hybrid)."""
+
+    weight_space = False
+    resumable = True
+    stage = "OPD"
+
+    @property
+    def waits_for_merges(self) -> bool:
+        return self.init == "best"
+
+    def merge_part(self, cand: Candidate) -> Candidate | None:
+        if self.init in ("base", "best"):
+            return None
+        method = get_strategy(self.init)
+        return Candidate(strategy=method.name, shared={k: v for k, v in cand.shared.items() if k in method.shared},
+                         per_model={e: {k: v for k, v in ps.items() if k in method.per_model}
+                                    for e, ps in cand.per_model.items()}, seed=cand.seed)
+
+    def check_inputs(self, n_experts: int) -> None:
+        if self.init not in ("base", "best"):
+            get_strategy(self.init).check_inputs(n_experts)
+
+    def check_params(self, params: dict[str, Any], distill) -> None:
+        from pydantic import ValidationError
+
+        fixed = {p: v for p, v in params.items() if p in self.distill_shared and isinstance(v, bool | int | float | str)}
+        try:
+            type(distill).model_validate({**distill.model_dump(), **fixed, **(self.distill_fixed or {})})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"strategy {self.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+    def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
+        init = self.merge_part(cand)
+        return {"opd_init": best_merge() if init is None and self.init == "best" else init}
+
+    def build(self, inputs, cand: Candidate, ctx: BuildContext | None = None) -> tuple[dict, dict[str, Any]]:
+        from opd.distill.strategy import opd_student
+
+        if ctx is None:
+            raise ValueError(f"strategy {cand.strategy!r} trains a student: build() needs its trial's context")
+        init = ctx.opd_init
+        init_sd = get_strategy(init.strategy).build(inputs, init)[0] if init else inputs.base_sd
+        sd, history = opd_student(inputs, cand, ctx.recipe, init_sd, ctx.recipe.out_dir / "opd" / f"trial-{ctx.number}",
+                                  evaluate_fn=ctx.evaluate_fn, references=ctx.references, live=ctx.live)
+        return sd, {"opd_history": history}
 
 
 def _build_registry() -> dict[str, Strategy]:
@@ -86,8 +198,17 @@ def _build_registry() -> dict[str, Strategy]:
         for p in spec.parameters:
             default = None if p.required else p.default
             (shared if p.scope == ParameterScope.SHARED else per_model)[p.name] = default
-        out[spec.name] = Strategy(spec.name, _INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name)
+        floats = frozenset(p.name for p in spec.parameters if _is_float(p.value_type))
+        out[spec.name] = Strategy(spec.name, _INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name,
+                                  layerwise=floats)
     return out
+
+
+def _is_float(value_type) -> bool:
+    """Whether a mergekit parameter's type is float (possibly Annotated with bounds)."""
+    if get_origin(value_type) is Annotated:
+        value_type = get_args(value_type)[0]
+    return value_type is float
 
 
 STRATEGIES: dict[str, Strategy] = _build_registry()
@@ -99,44 +220,41 @@ OPD_SHARED = {"steps": 50, "lr": 3e-4, "estimator": "sampled", "reward_weight": 
               "warmstart_lr": 1e-3}
 OPD_PER_MODEL = {"teacher_weight": 1.0}
 HYBRID_SUFFIX = "+opd"
-STRATEGIES["opd"] = Strategy("opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the base", dict(OPD_SHARED), "base")
-STRATEGIES["merge_opd"] = Strategy("merge_opd", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL), "OPD from the best merge so far",
-                                   dict(OPD_SHARED), "best")
+_OPD = (dict(OPD_SHARED), dict(OPD_PER_MODEL))
+STRATEGIES["opd"] = DistillStrategy("opd", "distill", *_OPD, "OPD from the base", dict(OPD_SHARED), "base")
+STRATEGIES["merge_opd"] = DistillStrategy("merge_opd", "distill", *_OPD, "OPD from the best merge so far",
+                                          dict(OPD_SHARED), "best")
 # What a user would do instead of OPD, run by the same loop so that tokens and minutes compare:
 # supervised training on teacher samples the verifier accepts (off-policy distillation, no
 # on-policy steps), and multi-task GSPO from the base on verifier rewards alone (no teacher).
-STRATEGIES["offpolicy"] = Strategy("offpolicy", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL),
-                                   "off-policy distillation (SFT on verified teacher samples)", dict(OPD_SHARED),
-                                   "base", {"steps": 0})
-STRATEGIES["gspo"] = Strategy("gspo", "distill", dict(OPD_SHARED), dict(OPD_PER_MODEL),
-                              "multi-task GSPO on verifier rewards", dict(OPD_SHARED), "base",
-                              {"kl_weight": 0.0, "reward_weight": 1.0, "warmstart_steps": 0})
+STRATEGIES["offpolicy"] = DistillStrategy("offpolicy", "distill", *_OPD,
+                                          "off-policy distillation (SFT on verified teacher samples)",
+                                          dict(OPD_SHARED), "base", {"steps": 0})
+STRATEGIES["gspo"] = DistillStrategy("gspo", "distill", *_OPD, "multi-task GSPO on verifier rewards",
+                                     dict(OPD_SHARED), "base", {"kl_weight": 0.0, "reward_weight": 1.0,
+                                                                "warmstart_steps": 0})
+# `<method>+opd`: OPD from that method's merge, its parameters searched with the OPD settings.
+HYBRIDS = {f"{m.name}{HYBRID_SUFFIX}": DistillStrategy(
+    f"{m.name}{HYBRID_SUFFIX}", m.inputs, {**m.shared, **OPD_SHARED}, {**m.per_model, **OPD_PER_MODEL},
+    f"OPD from {m.pretty}", dict(OPD_SHARED), m.name, layerwise=m.layerwise)
+    for m in list(STRATEGIES.values()) if m.weight_space}
+STRATEGIES.update(HYBRIDS)
+# The report's stages that strategies' trial minutes count towards, in order ("merge search" first).
+STAGES = list(dict.fromkeys([Strategy.stage, *(s.stage for s in STRATEGIES.values())]))
 
 
 def get_strategy(name: str) -> Strategy:
-    if name.endswith(HYBRID_SUFFIX) and name[: -len(HYBRID_SUFFIX)] in STRATEGIES:
-        m = STRATEGIES[name[: -len(HYBRID_SUFFIX)]]
-        if not m.distill:
-            return Strategy(name, m.inputs, {**m.shared, **OPD_SHARED}, {**m.per_model, **OPD_PER_MODEL},
-                            f"OPD from {m.pretty}", dict(OPD_SHARED), m.name)
     if name not in STRATEGIES:
-        raise OpdError(f"merge strategy {name!r} is unknown; strategies opd can search: {sorted(STRATEGIES)}"
-                       f" and '<method>{HYBRID_SUFFIX}' hybrids of a mergekit method with OPD")
+        raise OpdError(f"merge strategy {name!r} is unknown; strategies opd can search: "
+                       f"{sorted(n for n in STRATEGIES if n not in HYBRIDS)} and '<method>{HYBRID_SUFFIX}' "
+                       "hybrids of a mergekit method with OPD")
     return STRATEGIES[name]
 
 
 def merge_part(cand: Candidate) -> Candidate | None:
     """The weight-space candidate a strategy starts from: itself for a mergekit method, the merge
     half of a `<method>+opd` hybrid, None for OPD from the base or from the search's best."""
-    strategy = get_strategy(cand.strategy)
-    if not strategy.distill:
-        return cand
-    if strategy.init in ("base", "best"):
-        return None
-    method = get_strategy(strategy.init)
-    return Candidate(strategy=method.name, shared={k: v for k, v in cand.shared.items() if k in method.shared},
-                     per_model={e: {k: v for k, v in ps.items() if k in method.per_model}
-                                for e, ps in cand.per_model.items()}, seed=cand.seed)
+    return get_strategy(cand.strategy).merge_part(cand)
 
 
 def distill_part(cand: Candidate) -> tuple[dict[str, Any], dict[str, float]]:
@@ -150,23 +268,11 @@ def distill_part(cand: Candidate) -> tuple[dict[str, Any], dict[str, float]]:
 
 def check_inputs(strategy: Strategy, n_experts: int) -> None:
     """Refuse a method that cannot take this many experts, before any work is done."""
-    from mergekit import merge_methods as mm
+    strategy.check_inputs(n_experts)
 
-    if strategy.distill:
-        if strategy.init not in ("base", "best"):
-            check_inputs(get_strategy(strategy.init), n_experts)
-        return
-    ids = [f"e{i}" for i in range(n_experts)]
-    if strategy.inputs == "pair":
-        if n_experts not in (1, 2):
-            raise OpdError(f"strategy {strategy.name!r} merges exactly two models (base + 1 expert, or 2 experts);"
-                           f" the recipe has {n_experts} experts")
-        return
-    base = BASE_ID if strategy.inputs == "base+experts" else None
-    try:
-        mm.get(strategy.name).spec.contract.validate_ids(ids + ([BASE_ID] if base else []), base)
-    except ValueError as e:
-        raise OpdError(f"strategy {strategy.name!r} cannot merge {n_experts} experts: {e}") from None
+
+# A parameter's value: a scalar, or one value per layer group (opd.merge.layers).
+Value = LayerValues | bool | int | float | str
 
 
 class Candidate(BaseModel):
@@ -174,9 +280,15 @@ class Candidate(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     strategy: str
-    shared: dict[str, Any] = Field(default_factory=dict)
-    per_model: dict[str, dict[str, Any]] = Field(default_factory=dict, description="expert -> {param: value}")
+    shared: dict[str, Value] = Field(default_factory=dict)
+    per_model: dict[str, dict[str, Value]] = Field(default_factory=dict, description="expert -> {param: value}")
     seed: int = Field(0, description="torch seed for the randomised methods (DARE, DELLA)")
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether some parameter has a value per layer group."""
+        values = [*self.shared.values(), *(v for ps in self.per_model.values() for v in ps.values())]
+        return any(isinstance(v, LayerValues) for v in values)
 
     def label(self) -> str:
         parts = [f"{k}={_fmt(v)}" for k, v in sorted(self.shared.items())]
@@ -194,6 +306,8 @@ def _weight_space(cand: Candidate) -> Candidate:
 
 
 def _fmt(v):
+    if isinstance(v, LayerValues):
+        return v.label()
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
@@ -218,8 +332,10 @@ def _per_model_params(cand: Candidate, strategy: Strategy, experts: list[str], i
 
 
 def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
-                    expert_sds: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML."""
+                    expert_sds: dict[str, dict[str, torch.Tensor]],
+                    layers: LayerLayout | None = None) -> dict[str, torch.Tensor]:
+    """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML.
+    A layer-wise candidate needs the models' `layers` (opd.merge.layers.layout_for)."""
     from mergekit.merge_methods import merge_state_dicts
 
     cand = _weight_space(cand)
@@ -228,9 +344,33 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
     ids, base = _layout(strategy, experts)
     models = {i: (base_sd if i == BASE_ID else expert_sds[i]) for i in ids}
     params = {**cand.shared, **_per_model_params(cand, strategy, experts, ids, base)}
+    if cand.layerwise:
+        params = _per_tensor(params, strategy.name, list(models[ids[0]]), layers)
     torch.manual_seed(cand.seed)
     with torch.no_grad():
         return merge_state_dicts(models, strategy.name, parameters=params, base=base)
+
+
+def _per_tensor(params: dict[str, Any], method: str, names: list[str], layers: LayerLayout | None) -> dict:
+    """Layer-wise values resolved tensor by tensor (mergekit's PerGroupValues, one per state-dict
+    tensor in order) with the same mergekit function and gradient position as `run_merge`."""
+    from mergekit import merge_methods as mm
+    from mergekit.merge_methods import PerGroupValues
+
+    validate = {p.name: p.validate for p in mm.get(method).spec.parameters}
+    out = {}
+    for p, v in params.items():
+        if isinstance(v, LayerValues):
+            out[p] = PerGroupValues([resolve(v, n, layers, validate[p]) for n in names])
+        elif isinstance(v, dict) and any(isinstance(x, LayerValues) for x in v.values()):
+            out[p] = PerGroupValues([{i: resolve(x, n, layers, validate[p]) for i, x in v.items()} for n in names])
+        else:
+            out[p] = v
+    return out
+
+
+def _as_setting(value: Any, base_path: str) -> Any:
+    return setting(value, layout_for(base_path)) if isinstance(value, LayerValues) else value
 
 
 def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str]) -> dict:
@@ -245,7 +385,7 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     models = []
     for i in ids:
         entry: dict[str, Any] = {"model": paths[i]}
-        ps = {p: v[i] for p, v in per.items() if i in v}
+        ps = {p: _as_setting(v[i], base_path) for p, v in per.items() if i in v}
         if ps:
             entry["parameters"] = ps
         models.append(entry)
@@ -253,7 +393,7 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     if base is not None:
         doc["base_model"] = paths[base]
     if cand.shared:
-        doc["parameters"] = dict(cand.shared)
+        doc["parameters"] = {p: _as_setting(v, base_path) for p, v in cand.shared.items()}
     # No `tokenizer_source`: the inputs were checked to share one tokenizer (opd.paths.
     # require_same_tokenizer), so mergekit copies the donor's tokenizer files as they are, and with
     # them generation_config.json, whose eos list holds the "\n" stop. With `tokenizer_source: base`
@@ -273,7 +413,7 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     cand = _weight_space(cand)
     _prepare(cand.strategy, expert_paths, cand.shared)
     if cand.strategy not in RANDOM_METHODS:
-        return merge_in_memory(cand, base_sd, expert_sds)
+        return merge_in_memory(cand, base_sd, expert_sds, layout_for(base_path) if cand.layerwise else None)
     import tempfile
 
     from safetensors.torch import load_file

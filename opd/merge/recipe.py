@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_serializer,
     field_validator,
@@ -28,8 +30,31 @@ class Choices(BaseModel):
     choices: list[Scalar] = Field(min_length=1, description="values the search picks from")
 
 
-# A parameter is fixed (a scalar), a [low, high] range, or a set of choices.
-ParamSpec = Scalar | tuple[float, float] | Choices
+class LayerRange(BaseModel):
+    """A float parameter searched per layer group: the embeddings, `layer_groups` points over the
+    blocks, the head; it exports as mergekit's filtered, gradient-valued setting (opd.merge.layers)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    range: tuple[float, float] = Field(description="[low, high] each group's value is drawn from")
+    layer_groups: int = Field(ge=1, le=64, description="points the blocks' gradient passes through, evenly "
+                              "spaced from the first block to the last (mergekit interpolates between them); "
+                              "set it to the number of layers for one value per block")
+
+
+def _spec_kind(v) -> str:
+    # Tell the forms apart by shape, so that an error names the one the user wrote, not all four.
+    if isinstance(v, LayerRange) or (isinstance(v, dict) and "layer_groups" in v):
+        return "layers"
+    if isinstance(v, Choices | dict):
+        return "choices"
+    return "range" if isinstance(v, list | tuple) else "scalar"
+
+
+# A parameter is fixed (a scalar), a [low, high] range, a set of choices, or a range per layer group.
+ParamSpec = Annotated[
+    Annotated[Scalar, Tag("scalar")] | Annotated[tuple[float, float], Tag("range")]
+    | Annotated[Choices, Tag("choices")] | Annotated[LayerRange, Tag("layers")],
+    Discriminator(_spec_kind)]
 
 
 class Budget(BaseModel):
@@ -106,7 +131,7 @@ class MergeRecipe(BaseModel):
     capabilities: list[str] | None = Field(None, description="capabilities to score (default: each expert's own)")
     strategies: dict[str, dict[str, ParamSpec]] = Field(
         min_length=1, description="mergekit method, 'opd', 'merge_opd' or '<method>+opd' -> "
-        "{parameter: value | [low, high] | {choices: [...]}}")
+        "{parameter: value | [low, high] | {choices: [...]} | {range: [low, high], layer_groups: n}}")
     distill: DistillConfig = Field(default_factory=DistillConfig, description="settings of the OPD strategies' "
                                    "runs that their parameters do not set")
     budget: Budget = Field(default_factory=Budget)
@@ -144,13 +169,14 @@ class MergeRecipe(BaseModel):
             for p, v in params.items():
                 if isinstance(v, tuple) and not v[0] <= v[1]:
                     raise ValueError(f"strategy {name!r}: range for {p!r} must be [low, high]")
-            if strategy.distill:
-                fixed = {p: v for p, v in params.items() if p in strategy.distill_shared and not isinstance(v, tuple | Choices)}
-                try:
-                    DistillConfig.model_validate({**self.distill.model_dump(), **fixed, **(strategy.distill_fixed or {})})
-                except ValidationError as e:
-                    err = e.errors()[0]
-                    raise ValueError(f"strategy {name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+                if isinstance(v, LayerRange):
+                    if p not in strategy.layerwise:
+                        can = (f"its float parameters can: {sorted(strategy.layerwise)}" if strategy.layerwise
+                               else "only a weight-space merge method's float parameters can")
+                        raise ValueError(f"strategy {name!r}: {p!r} cannot be searched per layer group; {can}")
+                    if not v.range[0] <= v.range[1]:
+                        raise ValueError(f"strategy {name!r}: range for {p!r} must be [low, high]")
+            strategy.check_params(params, self.distill)
         for name in self.budget.per_strategy:
             if name not in self.strategies:
                 raise ValueError(f"budget.per_strategy names {name!r}, which is not among the strategies")

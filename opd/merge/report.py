@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from opd.io import atomic_dir, atomic_write_json, atomic_write_text, state_dict_hash
+from opd.merge import trials
 from opd.merge.history import what_changed_md
 from opd.merge.interference import as_table
 from opd.merge.methods import get_strategy, mergekit_config
@@ -50,14 +51,12 @@ class LiveBoard:
         table = Table(title="best candidates (min retention)")
         for col in ("trial", "strategy", "stage", "min retention", "retention per capability"):
             table.add_column(col)
-        done = [t for t in self.study.get_trials(deepcopy=False) if t.values is not None]
-        done.sort(key=lambda t: (t.user_attrs.get("stage") == "full", t.user_attrs.get("min_retention", 0)),
-                  reverse=True)
-        for t in done[: self.top]:
-            ret = t.user_attrs.get("retention", {})
-            table.add_row(str(t.number), t.user_attrs["candidate"]["strategy"], t.user_attrs.get("stage", ""),
-                          f"{t.user_attrs.get('min_retention', float('nan')):.3f}",
-                          " ".join(f"{c}={v:.2f}" for c, v in ret.items()))
+        done = [(t, trials.read(t)) for t in self.study.get_trials(deepcopy=False) if t.values is not None]
+        done.sort(key=lambda tr: (tr[1].stage == "full", tr[1].min_retention or 0), reverse=True)
+        for t, rec in done[: self.top]:
+            table.add_row(str(t.number), rec.candidate.strategy, rec.stage or "",
+                          f"{rec.min_retention if rec.min_retention is not None else float('nan'):.3f}",
+                          " ".join(f"{c}={v:.2f}" for c, v in (rec.retention or {}).items()))
         return table
 
     def callback(self, study, trial) -> None:
@@ -387,7 +386,7 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
     final = recipe.out_dir / "best"
     paths = {e: str(Path(p).resolve()) for e, p in inputs.expert_paths.items()}
     label = summary["best"]
-    distilled = get_strategy(cand.strategy).distill
+    distilled = not get_strategy(cand.strategy).weight_space
     if distilled:
         # A student is not a function of the inputs' weights alone: record how it was trained.
         init = next((t.get("opd_init") for t in summary["trials"] if t["number"] == summary["final"][label]["trial"]),

@@ -23,7 +23,7 @@ import torch
 from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
 from opd.io import atomic_write_json, state_dict_hash
-from opd.merge import history
+from opd.merge import history, trials
 from opd.merge.interference import (
     MIN_GAIN_Z,
     gain_z,
@@ -32,8 +32,9 @@ from opd.merge.interference import (
     retention,
     to_records,
 )
-from opd.merge.methods import Candidate, check_inputs, get_strategy, merge_candidate, merge_part
-from opd.merge.recipe import Choices, MergeInputs, MergeRecipe, load_inputs
+from opd.merge.layers import LayerValues
+from opd.merge.methods import STAGES, BuildContext, Candidate, Strategy, check_inputs, get_strategy
+from opd.merge.recipe import Choices, LayerRange, MergeInputs, MergeRecipe, load_inputs
 from opd.merge.weightspace import weightspace_interference
 from opd.paths import check_output, redact_url
 
@@ -121,8 +122,9 @@ def open_strategies(trial: optuna.Trial, recipe: MergeRecipe) -> list[str]:
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
     used: dict[str, int] = {}
     for t in trial.study.get_trials(deepcopy=False, states=states):
-        if t.number != trial.number and "candidate" in t.user_attrs:
-            s = t.user_attrs["candidate"]["strategy"]
+        cand = trials.read(t).candidate
+        if t.number != trial.number and cand is not None:
+            s = cand.strategy
             used[s] = used.get(s, 0) + 1
     return [n for n in names if used.get(n, 0) < caps.get(n, math.inf)]
 
@@ -132,8 +134,7 @@ def merges_ready(study: optuna.Study, recipe: MergeRecipe) -> bool:
     weight-space candidate was scored on full val and half of budget.n_trials have finished, so its
     student starts from a searched merge rather than the first one (or the base)."""
     done = finished(study)
-    merged = any(t.user_attrs.get("stage") == "full" and not get_strategy(t.user_attrs["candidate"]["strategy"]).distill
-                 for t in done if "candidate" in t.user_attrs)
+    merged = best_merge(study) is not None
     return merged and len(done) >= (recipe.budget.n_trials or 0) // 2
 
 
@@ -142,12 +143,13 @@ def available_strategies(trial: optuna.Trial, recipe: MergeRecipe) -> list[str]:
     names = open_strategies(trial, recipe)
     if merges_ready(trial.study, recipe):
         return names
-    ready = [n for n in names if get_strategy(n).init != "best"]
+    ready = [n for n in names if not get_strategy(n).waits_for_merges]
     return ready or names
 
 
 def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Candidate:
-    """Sample one candidate; every parameter is named `<strategy>.<param>[.<expert>]`."""
+    """Sample one candidate; every parameter is named `<strategy>.<param>[.<expert>]`, a layer-wise
+    one `<strategy>.<param>[.<expert>]@<group>` (embed, block0, block1, ..., head)."""
     names = available_strategies(trial, recipe)
     if not names:
         trial.study.stop()
@@ -167,6 +169,11 @@ def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Can
             return trial.suggest_float(key, lo, hi)
         if isinstance(spec, Choices):
             return trial.suggest_categorical(key, spec.choices)
+        if isinstance(spec, LayerRange):  # one value per group: <key>@embed, <key>@block<i>, <key>@head
+            lo, hi = spec.range
+            return LayerValues(embed=trial.suggest_float(f"{key}@embed", lo, hi),
+                               blocks=[trial.suggest_float(f"{key}@block{i}", lo, hi) for i in range(spec.layer_groups)],
+                               head=trial.suggest_float(f"{key}@head", lo, hi))
         return spec
 
     def strategy_default(key):
@@ -177,7 +184,7 @@ def suggest(trial: optuna.Trial, recipe: MergeRecipe, experts: list[str]) -> Can
     shared = {p: pick(f"{name}.{p}", v) for p, v in params.items() if p in strategy.shared}
     per_model = {e: {p: pick(f"{name}.{p}.{e}", v) for p, v in params.items() if p in strategy.per_model}
                  for e in experts}
-    number = trial.user_attrs.get("resume_of", trial.number)  # a requeued OPD trial keeps its seed
+    number = run_number(trial)  # a requeued OPD trial keeps its seed
     return Candidate(strategy=name, shared=shared, per_model=per_model, seed=recipe.seed + number)
 
 
@@ -234,15 +241,14 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
             if not _abandoned(t, storage, study):
                 continue  # another worker is still running it: its result must be accepted
             storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-            cand = t.user_attrs.get("candidate")
-            if cand and get_strategy(cand["strategy"]).distill:
-                study.enqueue_trial(t.params, user_attrs={"resume_of": t.user_attrs.get("resume_of", t.number),
-                                                          "opd_init": t.user_attrs.get("opd_init")})
+            rec = trials.read(t)
+            if rec.candidate and get_strategy(rec.candidate.strategy).resumable:
+                study.enqueue_trial(t.params, user_attrs=trials.queued(resume_of=run_number(t), opd_init=rec.opd_init))
     if warm and not exists and not theirs:
         # Two workers creating the study at once may both get here: a duplicate costs one trial.
         study.set_user_attr("warm_start", {"from": warm[0], "trials": [n for n, _ in warm[1]]})
         for number, params in warm[1]:
-            study.enqueue_trial(params, user_attrs={"warm_start_of": number}, skip_if_exists=True)
+            study.enqueue_trial(params, user_attrs=trials.queued(warm_start_of=number), skip_if_exists=True)
     study.set_user_attr("recipe", mine)
     return study
 
@@ -252,7 +258,7 @@ def _abandoned(t: optuna.trial.FrozenTrial, storage, study: optuna.Study) -> boo
     (another machine's) a heartbeat older than the storage's grace period."""
     from opd.io import _pid_alive
 
-    host, _, pid = t.user_attrs.get("worker", "").rpartition(":")
+    host, _, pid = (trials.read(t).worker or "").rpartition(":")
     if not host:
         return True  # killed before it recorded its worker
     if host == socket.gethostname() and pid.isdigit():
@@ -285,27 +291,25 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
 
     def objective(trial: optuna.Trial) -> list[float]:
         cand = suggest(trial, recipe, experts)
-        trial.set_user_attr("candidate", cand.model_dump(mode="json"))
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # several may share a study
-        if get_strategy(cand.strategy).distill and "resume_of" not in trial.user_attrs:
-            init = opd_init(cand, trial.study)
-            trial.set_user_attr("opd_init", init.model_dump(mode="json") if init else None)
+        # several workers may share a study: the worker says whose trial it is
+        rec = trials.update(trial, candidate=cand, worker=f"{socket.gethostname()}:{os.getpid()}")
+        if rec.resume_of is None:  # a resumed trial keeps the start it was queued with
+            start = get_strategy(cand.strategy).start(cand, lambda: best_merge(trial.study))
+            rec = trials.update(trial, **start) if start else rec
         sd = merge(inputs, cand, recipe, trial, refs, live=live)
         stage, scores = "full", None
-        if two_stage and "warm_start_of" not in trial.user_attrs:  # an earlier best goes straight to full val
+        if two_stage and rec.warm_start_of is None:  # an earlier best goes straight to full val
             scores = scorer.score(sd, "val", screen.limit)
             ret = {c: retention(scores[c].score, refs.screen[c]) for c in caps}
-            full = [t for t in finished(trial.study) if t.user_attrs.get("stage") == "full"]
-            best = max((t.user_attrs["min_retention"] for t in full), default=-math.inf)
+            full = [r for t in finished(trial.study) if (r := trials.read(t)).stage == "full"]
+            best = max((r.min_retention for r in full), default=-math.inf)
             worst = aggregate_retention(ret, refs.counted)["min"]
             stage = "full" if len(full) < screen.warmup or worst >= best - screen.margin else "screen"
         if stage == "full":
             scores = scorer.score(sd, "val")
             ret = {c: retention(scores[c].score, refs.val[c]) for c in caps}
-        trial.set_user_attr("stage", stage)
-        trial.set_user_attr("scores", {c: [s.score, s.stderr, s.n] for c, s in scores.items()})
-        trial.set_user_attr("retention", ret)
-        trial.set_user_attr("min_retention", aggregate_retention(ret, refs.counted)["min"])
+        trials.update(trial, stage=stage, scores={c: (s.score, s.stderr, s.n) for c, s in scores.items()},
+                      retention=ret, min_retention=aggregate_retention(ret, refs.counted)["min"])
         return objective_values(recipe, ret, refs.counted)
 
     done = len(finished(study))
@@ -324,72 +328,66 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
 
 def final_candidates(recipe: MergeRecipe, study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """The full-val Pareto set (best min retention first, capped) plus each strategy's best."""
-    full = {t.number: t for t in finished(study) if t.user_attrs.get("stage") == "full"}
+    recs = {t.number: trials.read(t) for t in finished(study)}
+    full = {t.number: t for t in finished(study) if recs[t.number].stage == "full"}
     if not full:
         raise OpdError(f"study {recipe.name!r} has no trial scored on the full val split; raise the budget")
-    key = {n: (t.user_attrs["min_retention"], sum(t.values)) for n, t in full.items()}
+    key = {n: (recs[n].min_retention, sum(t.values)) for n, t in full.items()}
     front = sorted(pareto_front({n: t.values for n, t in full.items()}), key=lambda n: key[n], reverse=True)
     chosen = front[: recipe.final_candidates]
     per_strategy: dict[str, int] = {}
     for n in sorted(full, key=lambda n: key[n], reverse=True):
-        per_strategy.setdefault(full[n].user_attrs["candidate"]["strategy"], n)
+        per_strategy.setdefault(recs[n].candidate.strategy, n)
     chosen += [n for n in per_strategy.values() if n not in chosen]
     return [full[n] for n in chosen]
 
 
 def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = None, trial=None,
           refs: References | None = None, live: bool = False) -> dict:
-    """The candidate's weights: a mergekit merge, or for an OPD strategy the student trained (once per
-    trial, then read from <out>/opd/trial-<n>/, n the trial it resumes if requeued) from the init
-    recorded in the trial."""
-    if not get_strategy(cand.strategy).distill:
-        return merge_candidate(cand, str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()},
-                               inputs.base_sd, inputs.expert_sds)
-    from opd.distill.strategy import opd_student
-
-    if recipe is None or trial is None:
-        raise ValueError(f"strategy {cand.strategy!r} trains a student: merge() needs the recipe and its trial")
-    init = trial.user_attrs.get("opd_init")
-    init_sd = merge(inputs, Candidate.model_validate(init)) if init else inputs.base_sd
-    evaluate_fn = None
-    if recipe.distill.eval_every and refs is not None:
-        def evaluate_fn(m):
-            return {c: s.score for c, s in evaluate(m, inputs.tokenizer, inputs.capabilities, "val",
-                                                    limit=recipe.distill.eval_limit,
-                                                    batch_size=recipe.eval_batch_size).items()}
-    number = trial.user_attrs.get("resume_of", trial.number)
-    sd, history = opd_student(inputs, cand, recipe, init_sd, recipe.out_dir / "opd" / f"trial-{number}",
-                              evaluate_fn=evaluate_fn,
-                              references={c: refs.val[c] for c in refs.counted or refs.val} if refs else None,
-                              live=live)
-    if isinstance(trial, optuna.Trial):
-        trial.set_user_attr("opd_history", history)
+    """The candidate's weights, built by its strategy: a mergekit merge, or for a trained strategy the
+    student trained (once per trial, then read from <out>/opd/trial-<n>/, n the trial it resumes if
+    requeued) from the init recorded in the trial. What the build reports goes into the trial's record."""
+    ctx = None
+    if recipe is not None and trial is not None:
+        evaluate_fn = None
+        if recipe.distill.eval_every and refs is not None:
+            def evaluate_fn(m):
+                return {c: s.score for c, s in evaluate(m, inputs.tokenizer, inputs.capabilities, "val",
+                                                        limit=recipe.distill.eval_limit,
+                                                        batch_size=recipe.eval_batch_size).items()}
+        ctx = BuildContext(recipe, trials.read(trial).opd_init, run_number(trial), evaluate_fn,
+                           {c: refs.val[c] for c in refs.counted or refs.val} if refs else None, live)
+    sd, record = get_strategy(cand.strategy).build(inputs, cand, ctx)
+    if record and isinstance(trial, optuna.Trial):
+        trials.update(trial, **record)
     return sd
 
 
-def opd_init(cand: Candidate, study: optuna.Study) -> Candidate | None:
-    """Where an OPD candidate's student starts: its hybrid's merge, the best weight-space candidate
-    scored on full val so far (merge_opd; the base until there is one), or the base (None)."""
-    part = merge_part(cand)
-    if part is not None or get_strategy(cand.strategy).init != "best":
-        return part
-    merges = [t for t in finished(study) if t.user_attrs.get("stage") == "full"
-              and not get_strategy(t.user_attrs["candidate"]["strategy"]).distill]
+def run_number(trial) -> int:
+    """The number naming a trial's run directory and seed: the trial it resumes, else its own."""
+    resumed = trials.read(trial).resume_of
+    return trial.number if resumed is None else resumed
+
+
+def best_merge(study: optuna.Study) -> Candidate | None:
+    """The best weight-space candidate scored on full val so far (None before there is one)."""
+    merges = [(t, r) for t in finished(study) if (r := trials.read(t)).stage == "full"
+              and get_strategy(r.candidate.strategy).weight_space]
     if not merges:
         return None
-    best = max(merges, key=lambda t: (t.user_attrs["min_retention"], sum(t.values)))
-    return Candidate.model_validate(best.user_attrs["candidate"])
+    return max(merges, key=lambda tr: (tr[1].min_retention, sum(tr[0].values)))[1].candidate
 
 
-def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, trials: list,
+def rescore_final(inputs: MergeInputs, scorer: Scorer, refs: References, finals: list,
                   recipe: MergeRecipe | None = None) -> tuple[dict, dict]:
     """Score the final candidates on test; the interference matrix on val and test, with the
     experts and the base as reference rows. Returns ({label: (trial, candidate)}, {split: cells})."""
     val, test, cands = {}, {}, {}
-    for t in trials:
-        label = f"#{t.number} {t.user_attrs['candidate']['strategy']}"
-        cands[label] = (t, Candidate.model_validate(t.user_attrs["candidate"]))
-        val[label] = {c: Score(*t.user_attrs["scores"][c]) for c in inputs.capabilities}
+    for t in finals:
+        rec = trials.read(t)
+        label = f"#{t.number} {rec.candidate.strategy}"
+        cands[label] = (t, rec.candidate)
+        val[label] = {c: Score(*rec.scores[c]) for c in inputs.capabilities}
         test[label] = scorer.score(merge(inputs, cands[label][1], recipe, t), "test")
     for e in inputs.expert_paths:
         val[f"expert {e}"], test[f"expert {e}"] = refs.experts["val"][e], refs.experts["test"][e]
@@ -416,10 +414,15 @@ def _stage_minutes(recipe: MergeRecipe, study, refs_s: float, search_s: float, f
         lab = json.loads((recipe.out_dir / "lab_stages.json").read_text())
     except (OSError, ValueError):
         lab = {}
-    opd_s = sum(t.duration.total_seconds() for t in finished(study) if t.duration is not None
-                and get_strategy(t.user_attrs.get("candidate", {}).get("strategy", "linear")).distill)
+    spent = dict.fromkeys(STAGES, 0.0)  # each strategy's trials count towards its stage
+    for t in finished(study):
+        cand = trials.read(t).candidate
+        if t.duration is not None and cand is not None:
+            spent[get_strategy(cand.strategy).stage] += t.duration.total_seconds()
+    # the rest of the search's time (sampling, screening, bookkeeping) is the weight-space search's
+    spent[Strategy.stage] = max(0.0, search_s - sum(v for k, v in spent.items() if k != Strategy.stage))
     return {**{k: float(v) for k, v in lab.items()}, "reference scoring": refs_s / 60,
-            "merge search": max(0.0, search_s - opd_s) / 60, "OPD": opd_s / 60, "test scoring": final_s / 60}
+            **{k: v / 60 for k, v in spent.items()}, "test scoring": final_s / 60}
 
 
 def _start_over(recipe: MergeRecipe, name: str, log) -> None:
@@ -482,9 +485,9 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         return {"trials": len(finished(study))}
 
     t_final = time.time()
-    trials = final_candidates(recipe, study)
-    log(f"re-scoring {len(trials)} final candidates on test")
-    cands, matrix = rescore_final(inputs, scorer, refs, trials, recipe)
+    finals = final_candidates(recipe, study)
+    log(f"re-scoring {len(finals)} final candidates on test")
+    cands, matrix = rescore_final(inputs, scorer, refs, finals, recipe)
     # The best model is chosen on val (the search's split, Pareto set ordered by min retention); test only reports.
     best_label, (best_trial, best_cand) = next(iter(cands.items()))
     summary = {
@@ -497,7 +500,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
                                for e, p in inputs.expert_paths.items()}},
         "objectives": objective_names(recipe, inputs.capabilities),
         "counted": refs.counted,
-        "trials": [{"number": t.number, "values": t.values, "params": t.params, **t.user_attrs}
+        "trials": [{"number": t.number, "values": t.values, "params": t.params, **trials.read(t).fields()}
                    for t in finished(study)],
         "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}
                   for label, (t, c) in cands.items()},

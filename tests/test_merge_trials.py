@@ -1,0 +1,78 @@
+"""The typed trial record (one user attribute) and the strategy interface the search asks instead of names."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+
+from opd.errors import OpdError
+from opd.merge.export import export_trial
+from opd.merge.methods import HYBRIDS, STRATEGIES, Candidate, get_strategy
+from opd.merge.trials import KEY, TrialRecord, from_results, queued, read, update
+
+CAND = Candidate(strategy="ties", shared={"lambda": 1.0}, per_model={"a": {"density": 0.5}}, seed=3)
+
+
+def _trial():
+    study = optuna.create_study(directions=["maximize"])
+    return study, study.ask()
+
+
+def test_record_is_one_user_attribute_written_in_steps():
+    study, trial = _trial()
+    update(trial, candidate=CAND, worker="h:1")
+    rec = update(trial, opd_init=None, stage="full", scores={"add": (0.5, 0.1, 20)}, retention={"add": 0.9},
+                 min_retention=0.9)
+    assert list(trial.user_attrs) == [KEY] and read(trial) == rec and rec.candidate == CAND
+    # only what was set is listed (results.json's trial entries): opd_init None is, resume_of is not
+    assert rec.fields() == {"candidate": CAND.model_dump(mode="json"), "worker": "h:1", "stage": "full",
+                            "scores": {"add": [0.5, 0.1, 20]}, "retention": {"add": 0.9}, "min_retention": 0.9,
+                            "opd_init": None}
+    study.tell(trial, [0.9])
+    assert read(study.trials[0]) == rec  # a frozen trial reads the same
+
+
+def test_queued_trial_starts_with_its_record_and_old_studies_still_read():
+    study = optuna.create_study(directions=["maximize"])
+    study.enqueue_trial({}, user_attrs=queued(resume_of=4, opd_init=CAND))
+    trial = study.ask()
+    assert read(trial).resume_of == 4 and read(trial).opd_init == CAND and read(trial).candidate is None
+    # a study written before the record: the same fields as separate user attributes
+    old = study.ask()
+    for k, v in {"candidate": CAND.model_dump(mode="json"), "stage": "screen", "min_retention": 0.2,
+                 "warm_start_of": 1}.items():
+        old.set_user_attr(k, v)
+    assert read(old) == TrialRecord(candidate=CAND, stage="screen", min_retention=0.2, warm_start_of=1)
+
+
+def test_strategies_answer_the_search_without_names():
+    merge, opd, best, hybrid = (get_strategy(n) for n in ("ties", "opd", "merge_opd", "ties+opd"))
+    assert merge.weight_space and not opd.weight_space and not hybrid.weight_space
+    assert best.waits_for_merges and not opd.waits_for_merges and not hybrid.waits_for_merges
+    assert opd.resumable and not merge.resumable and {merge.stage, opd.stage} == {"merge search", "OPD"}
+    # what each records before its first build: an OPD student's init, nothing for a merge
+    assert merge.start(CAND, lambda: None) == {}
+    assert opd.start(Candidate(strategy="opd"), lambda: CAND) == {"opd_init": None}
+    assert best.start(Candidate(strategy="merge_opd"), lambda: CAND) == {"opd_init": CAND}
+    cand = Candidate(strategy="ties+opd", shared={"lambda": 1.0, "steps": 2}, per_model={"a": {"density": 0.5}}, seed=3)
+    assert hybrid.start(cand, lambda: None) == {"opd_init": CAND}
+    # hybrids are registered, not parsed from the name: one per weight-space method
+    assert set(HYBRIDS) == {f"{n}+opd" for n, s in STRATEGIES.items() if s.weight_space}
+    assert all(STRATEGIES[h] is HYBRIDS[h] for h in HYBRIDS)
+
+
+def test_results_entry_reads_back_as_the_record():
+    rec = TrialRecord(candidate=CAND, stage="full", scores={"add": (0.5, 0.1, 20)}, resume_of=0)
+    entry = {"number": 3, "values": [0.5], "params": {"x": 1}, **rec.fields()}
+    assert from_results(entry) == rec
+
+
+def test_export_refuses_a_student_naming_its_run(tmp_path):
+    """The export asks the strategy (not its name) whether the trial is a merge; a resumed OPD trial's
+    weights are in the run directory of the trial it resumed."""
+    entry = {"number": 1, "values": [0.5], "params": {}, "candidate": {"strategy": "opd"}, "resume_of": 0}
+    (tmp_path / "results.json").write_text(json.dumps({"trials": [entry]}))
+    with pytest.raises(OpdError, match="trial 1 is a distilled student \\(opd\\).*opd/trial-0/student.safetensors"):
+        export_trial(tmp_path, 1)
