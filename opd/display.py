@@ -79,7 +79,18 @@ class Display:
             with self._lock:
                 if not self._sections:
                     return
-                self.console.print(self.render())
+                self.console.file.write(self._plain())
+                self.console.file.flush()
+
+    def _plain(self) -> str:
+        """The sections as plain text for a log, which has no width to fit: wide enough that bars and
+        counts are not squeezed to "…" (a console off a terminal assumes 80 columns)."""
+        import io
+
+        out = Console(file=io.StringIO(), width=max(self.console.width, 160), force_terminal=False,
+                      color_system=None)
+        out.print(self.render())
+        return "\n".join(line.rstrip() for line in out.file.getvalue().splitlines()) + "\n"
 
     def _halt(self) -> None:
         if self._live is not None:
