@@ -30,6 +30,7 @@ on any problem. tests/test_fault_injection.py runs a short version of each job i
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -668,15 +669,19 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=6, help="finished trials of each search")
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill delays")
     ap.add_argument("--base", default=None, help="base model directory (default: a pico base built here)")
-    ap.add_argument("--work", default=None, help="work directory (default: a new temporary one)")
+    ap.add_argument("--work", default=None, help="work directory, kept (default: a temporary one, removed at the end)")
     args = ap.parse_args(argv)
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
     unknown = sorted(set(jobs) - set(JOBS))
     if unknown or not jobs:
         ap.error(f"--jobs: unknown {unknown}; choose from {','.join(JOBS)}")
 
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="opd-faults-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.work:
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
+    else:  # the runs' directories and logs, removed however the bench ends: --work keeps them
+        work = Path(tempfile.mkdtemp(prefix="opd-faults-"))
+        atexit.register(shutil.rmtree, work, True)
     base = Path(args.base) if args.base else build_pico_base(work / "pico")
     lab = build_lab(work / "lab", base)
     print(f"work directory {work}")
