@@ -327,6 +327,13 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
 
     done = len(finished(study))
     n_trials = trial_budget(recipe, study)
+    # An OPD trial a killed worker left is requeued (open_study) and redone even when the other
+    # workers have met the budget meanwhile: it gets its one result and its checkpoint is used up,
+    # not left WAITING for ever. Optuna hands out waiting trials first.
+    requeued = sum("resume_of" in t.user_attrs
+                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+    if n_trials is not None:
+        n_trials = max(n_trials, done + requeued)
     remaining = None if n_trials is None else n_trials - done
     if remaining is not None and remaining <= 0:
         return
