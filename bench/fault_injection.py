@@ -764,7 +764,7 @@ def live_resume_episode(job: Search, rng: random.Random, window: tuple[float, fl
     untagged = {t.number for t in trials if "worker" not in t.user_attrs}
     if not orphans <= fails or not fails <= orphans | untagged or len(fails - orphans) > 1:
         problems.append(f"failed trials {sorted(fails)}, the killed worker's running ones {sorted(orphans)}")
-    if line is None or failed != len(fails):
+    if failed != len(fails):  # (no line: nothing was running when it opened the study)
         problems.append(f"the resume's log says {kept} kept, {failed} failed; the study has {len(fails)} failed")
     survivors = [t for t in trials if _pid_of(t) == survivor.pid]
     problems += [f"the live worker's trial {t.number} ended {t.state.name}" for t in survivors if t.state.name != "COMPLETE"]
