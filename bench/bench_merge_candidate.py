@@ -12,7 +12,9 @@ Without --base it builds fake pico experts (scores are then ~0: the timing is th
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,7 +76,8 @@ def main() -> None:
     from opd.merge.recipe import MergeRecipe, load_inputs
     from opd.merge.search import Scorer, suggest
 
-    work = Path(tempfile.mkdtemp(prefix="bench-merge-"))
+    work = Path(tempfile.mkdtemp(prefix="opd-bench-merge-"))
+    atexit.register(shutil.rmtree, work, True)  # the fake lab and the search's out: removed however it ends
     if args.base:
         base, experts = args.base, args.experts
     else:

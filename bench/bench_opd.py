@@ -20,7 +20,9 @@ it reaches the same score. Both runs are evaluated on the same grid (--eval-ever
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -105,7 +107,9 @@ def main() -> None:
     if args.fake:
         from test_merge_fakes import build_fake_lab
 
-        lab = build_fake_lab(Path(tempfile.mkdtemp(prefix="opd-bench-")), tuple(names[:2]) if names else ("add", "rev"))
+        root = Path(tempfile.mkdtemp(prefix="opd-bench-"))
+        atexit.register(shutil.rmtree, root, True)  # a fake lab: removed however the bench ends
+        lab = build_fake_lab(root, tuple(names[:2]) if names else ("add", "rev"))
         base, names = str(lab["base"]), [str(p) for p in lab["experts"].values()]
         args.max_steps = min(args.max_steps, 2)
         args.eval_every, args.eval_limit = 1, 5

@@ -19,6 +19,8 @@ The last line is `ratio: N.NN`, tuned / loop student tokens per second.
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -90,6 +92,7 @@ def main() -> None:
         from opd.lab.pico import build_fake_lab, build_trained_pico
 
         root = Path(tempfile.mkdtemp(prefix="opd-bench-"))
+        atexit.register(shutil.rmtree, root, True)  # a fake lab: removed however the bench ends
         lab = build_fake_lab(root, tuple(LAB10), base=build_trained_pico(root / "pico", "count", steps=60))
         base, names = str(lab["base"]), [str(p) for p in lab["experts"].values()]
         args.tokens, args.grid, args.eval_limit = min(args.tokens, 4000), min(args.grid, 2000), 5

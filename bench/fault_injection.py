@@ -1,6 +1,6 @@
 """SIGKILL GSPO training, the merge search and OPD at random (seeded) moments; every rerun must resume.
 
-    python bench/fault_injection.py [--kills 20] [--jobs train,search,opd] [--seed 0] [--base DIR]
+    python bench/fault_injection.py [--kills 20] [--jobs train,search,opd] [--live-resumes 2] [--seed 0] [--base DIR]
 
 The three jobs, each on pico models built here in seconds (a pico Qwen3 pre-trained on `count`, and
 two "experts" that are small random task vectors on it):
@@ -23,13 +23,24 @@ finishes; new episodes start until the job's share of `--kills` happened. Checke
     candidate both runs tried scored identically, and the best's val and test scores within noise
     (not identical: a resumed study's sampler is reseeded and a trial the kill cut short is redone
     under a new number, so the candidates differ after the first kill; see `Search.compare`).
-Once a kill leaves the finished output, the rerun is let finish. Prints one row per job and exits 1
-on any problem. tests/test_fault_injection.py runs a short version of each job in CI.
+Once a kill leaves the finished output, the rerun is let finish. Every other episode also truncates
+the checkpoints each kill left (GSPO's `state.pt`, half the time its previous one too; OPD's; each
+OPD trial's), as a crash on a filesystem that does not order writes may: the rerun must warn, fall
+back to the previous checkpoint or start fresh, and still match the reference.
+
+Then `--live-resumes` searches of two `--worker` processes on one study: one worker is SIGKILLed
+inside a trial and `--resume` starts from a third process while the other still runs. The resume must
+fail exactly the killed worker's trials (requeueing an OPD one), never the live worker's; every other
+trial completes once, each OPD student is trained once in one directory (see `live_resume_episode`).
+
+Prints one row per job and exits 1 on any problem. tests/test_fault_injection.py runs a short version
+of each job in CI; tests/test_merge_workers.py a --resume beside two live workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -170,9 +181,10 @@ def load_artifact(path: Path) -> None:
         path.read_bytes()
 
 
-def check_tree(root: Path) -> list[str]:
+def check_tree(root: Path, skip: set[Path] = frozenset()) -> list[str]:
     """Every artifact under `root` that exists, loaded (model directories as models): what does not load.
-    Entries of unfinished atomic writes are not artifacts (see `leftovers`)."""
+    Entries of unfinished atomic writes are not artifacts (see `leftovers`), nor the checkpoints in `skip`
+    (torn on purpose, not yet rewritten)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -181,7 +193,7 @@ def check_tree(root: Path) -> list[str]:
     if not root.exists():
         return problems
     for p in sorted(root.rglob("*")):
-        if any(is_temp(part) for part in p.relative_to(root).parts) or p.suffix == ".log":
+        if any(is_temp(part) for part in p.relative_to(root).parts) or p.suffix == ".log" or p in skip:
             continue
         try:
             if p.is_file():
@@ -195,9 +207,37 @@ def check_tree(root: Path) -> list[str]:
 
 
 def checkpoint_step(path: Path) -> int | None:
+    """The step a rerun resumes from: the checkpoint's, else (torn) its previous version's (GSPO keeps
+    one), else None (a fresh start)."""
     import torch
 
-    return torch.load(path, weights_only=False)["state"]["step"] if path.exists() else None
+    for p in (path, path.with_name(f"{path.stem}.prev{path.suffix}")):
+        if p.exists():
+            try:
+                return torch.load(p, weights_only=False)["state"]["step"]
+            except Exception:  # torn: the run falls back the same way
+                continue
+    return None
+
+
+def _signature(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def tear_checkpoints(job: Job, rng: random.Random) -> list[str]:
+    """Truncate each checkpoint the kill left (`state.pt`, and half the time GSPO's previous one too) to a
+    random length, as a crash on a filesystem that does not order writes may leave it. The rerun must
+    warn, fall back to the previous checkpoint or start fresh, and still reach the reference's result."""
+    torn = []
+    for p in job.checkpoints():
+        prev = p.with_name(f"{p.stem}.prev{p.suffix}")
+        for q in [p] + ([prev] if prev.exists() and rng.random() < 0.5 else []):
+            data = q.read_bytes()
+            q.write_bytes(data[: rng.randrange(len(data))] if data else b"")
+            job.torn[q] = _signature(q)
+            torn.append(str(q.relative_to(job.work)))
+    return torn
 
 
 def within_noise(a: float, b: float, p: float, n: int) -> bool:
@@ -217,6 +257,14 @@ class Job:
     out: Path
     env: dict = field(default_factory=lambda: {**os.environ, "OMP_NUM_THREADS": "1"})
     runs: int = 0
+    torn: dict = field(default_factory=dict)  # checkpoint torn on purpose -> its (size, mtime) then
+
+    def still_torn(self) -> set[Path]:
+        return {p for p, sig in self.torn.items() if p.exists() and _signature(p) == sig}
+
+    def checkpoints(self) -> list[Path]:
+        """The resumable checkpoints on disk now (what `tear_checkpoints` truncates)."""
+        return []
 
     @property
     def work(self) -> Path:
@@ -326,6 +374,9 @@ class CheckpointedJob(Job):
 
     def progress(self) -> tuple[int | None, bool]:
         return checkpoint_step(self.ckpt), (self.out / "manifest.json").exists()
+
+    def checkpoints(self) -> list[Path]:
+        return [self.ckpt] if self.ckpt.exists() else []
 
     def done(self, progress) -> bool:
         return progress[1]
@@ -454,6 +505,9 @@ class Search(Job):
             out.setdefault(number, {"start": start})[objective] = value
         return {n: (d.pop("start"), tuple(d[k] for k in sorted(d))) for n, d in out.items()}
 
+    def checkpoints(self) -> list[Path]:
+        return sorted(self.out.glob("opd/trial-*/state.pt"))
+
     def opd_steps(self) -> dict[str, int]:
         """Checkpoint step of every OPD trial still training: trial dir -> step."""
         return {p.parent.name: checkpoint_step(p) for p in sorted(self.out.glob("opd/trial-*/state.pt"))}
@@ -540,15 +594,18 @@ def _key(trial: dict) -> str:
 # --- kills ----------------------------------------------------------------------------------------
 
 def kill_episode(job: Job, rng: random.Random, window: tuple[float, float], max_kills: int, log=print,
-                 after_progress: bool = False, finish_here: bool = False) -> dict:
+                 after_progress: bool = False, finish_here: bool = False, tear: bool = False) -> dict:
     """Run `job` to the end in its (fresh) directory, SIGKILLing it up to `max_kills` times, each a
     delay drawn from `window` after its start (or, `after_progress`, after it first saved progress
     beyond what it started from); check the disk after every kill and the resume of every rerun.
-    `finish_here`: the last rerun runs in this process (`Job.run_here`)."""
-    kills, problems, resumed, progress = 0, [], [], []
+    `finish_here`: the last rerun runs in this process (`Job.run_here`). `tear`: after each kill, the
+    checkpoints it left are truncated (`tear_checkpoints`); the rerun must say so and fall back."""
+    kills, problems, resumed, progress, n_torn = 0, [], [], [], 0
     while True:
         before = job.progress()
-        if kills == max_kills and finish_here:
+        torn = job.still_torn()
+        here = kills == max_kills and finish_here
+        if here:
             killed, seconds, text = job.run_here()
         else:
             # once a kill left the finished output (the process was still writing or exiting), the
@@ -557,22 +614,27 @@ def kill_episode(job: Job, rng: random.Random, window: tuple[float, float], max_
             killed, seconds, text = job.run(kill_after=delay, armed=_moved_on(job, before) if after_progress else None)
         if job.runs > 1:  # a rerun: it must continue from what the kill left
             where, found = job.check_rerun(before, text, finished=not killed)
+            # (a search's torn OPD checkpoint may belong to a student that was complete: nothing reads it)
+            if torn and not here and not killed and "unreadable" not in text and not isinstance(job, Search):
+                found.append(f"no warning about the torn {sorted(str(p.relative_to(job.work)) for p in torn)}")
             problems += [f"run {job.runs}: {p}" for p in found]
             if where is not None:
-                resumed.append(where)
+                resumed.append(where + (" (torn)" if torn else ""))
         if not killed:
             break
         kills += 1
         after = job.progress()
-        found = job.regressed(before, after) + check_tree(job.work)
+        found = job.regressed(before, after) + check_tree(job.work, job.still_torn())
         problems += [f"kill {kills}: {p}" for p in found]
         progress.append(after)
         left = leftovers(job.work)
+        cut = tear_checkpoints(job, rng) if tear else []
+        n_torn += len(cut)
         log(f"  kill {kills} after {seconds:.1f} s: {_describe(job, after)}{'; temp ' + str(left) if left else ''}"
-            f"{'; PROBLEMS ' + str(found) if found else ''}")
+            f"{'; tore ' + str(cut) if cut else ''}{'; PROBLEMS ' + str(found) if found else ''}")
     problems += check_tree(job.work)
     return {"kills": kills, "problems": problems, "leftovers": leftovers(job.work), "resumed": resumed,
-            "progress": progress, "summary": job.summary()}
+            "progress": progress, "summary": job.summary(), "torn": n_torn}
 
 
 def _moved_on(job: Job, before) -> Callable[[], bool]:
@@ -621,7 +683,8 @@ def run_job(kind: str, work: Path, lab: dict, kills: int, per_episode: int, rng:
     while total < kills:
         job = make_job(kind, work / f"ep{len(episodes)}", lab, size)
         log(f"{kind} episode {len(episodes)}:")
-        ep = kill_episode(job, rng, window, min(per_episode, kills - total), log=log)
+        # every other episode also tears the checkpoints each kill leaves
+        ep = kill_episode(job, rng, window, min(per_episode, kills - total), log=log, tear=len(episodes) % 2 == 1)
         ep["problems"] += job.compare(ep["summary"], ref)
         ep["problems"] += [f"left {ep['leftovers']}"] if ep["leftovers"] else []
         ep["identical"] = ep["summary"]["hash"] == ref["hash"] if "hash" in ref else None
@@ -631,12 +694,142 @@ def run_job(kind: str, work: Path, lab: dict, kills: int, per_episode: int, rng:
     return {"job": kind, "ref": ref, "ref_s": ref_s, "episodes": episodes, "problems": problems}
 
 
+# --- a --resume while workers are live -------------------------------------------------------------
+
+def _study_trials(db: Path) -> list:
+    import optuna
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{db}")
+    try:
+        names = optuna.get_all_study_names(storage)
+        return optuna.load_study(study_name=names[0], storage=storage).get_trials() if names else []
+    finally:
+        storage.engine.dispose()
+
+
+def _record(t):
+    from opd.merge.trials import read
+
+    return read(t)
+
+
+def _pid_of(t) -> int | None:
+    w = _record(t).worker
+    return int(w.rpartition(":")[2]) if w else None
+
+
+def live_resume_episode(job: Search, rng: random.Random, window: tuple[float, float], log=print) -> dict:
+    """Two `--worker` processes share the job's study; one is SIGKILLed inside a trial (a random delay
+    from `window` after it tagged one), then `--resume` starts from a third process while the other
+    still runs. Checked: the two survivors exit 0; the resume fails exactly the killed worker's trials,
+    never a live one's (its log line says how many it kept and failed); every other trial completes
+    once and none is left running; a failed OPD trial is requeued and finished, and every OPD student
+    trained its steps once in one directory; the disk loads and holds no temp file; shared candidates
+    score as in the reference."""
+    import optuna
+
+    job.out.mkdir(parents=True, exist_ok=True)
+    # Optuna makes its tables on first connect; two workers doing it at once may collide
+    optuna.storages.RDBStorage(f"sqlite:///{job.db}").engine.dispose()
+    base = [sys.executable, "-m", "opd.merge", "--recipe", str(job.config), "--no-live"]
+    env = {**job.env, "COLUMNS": "200", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+    def start(flag: str, name: str) -> tuple[subprocess.Popen, Path]:
+        log_path = job.work / f"{name}.log"
+        with open(log_path, "w") as f:
+            return subprocess.Popen([*base, flag], cwd=job.work, env=env, stdout=f, stderr=subprocess.STDOUT), log_path
+
+    (victim, _), (survivor, survivor_log) = start("--worker", "worker-0"), start("--worker", "worker-1")
+    problems: list[str] = []
+    try:
+        while victim.poll() is None and not any(_pid_of(t) == victim.pid and t.state.name == "RUNNING"
+                                                 for t in _study_trials(job.db)):
+            time.sleep(0.1)
+        time.sleep(rng.uniform(*window))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        orphans = {t.number for t in _study_trials(job.db) if t.state.name == "RUNNING" and _pid_of(t) == victim.pid}
+        resume, resume_log = start("--resume", "resume")
+        while "resume: " not in resume_log.read_text() and resume.poll() is None:
+            time.sleep(0.1)
+        live = survivor.poll() is None  # the worker still ran when the resume decided
+        codes = {"worker": survivor.wait(timeout=1800), "resume": resume.wait(timeout=1800)}
+    finally:
+        for proc in (victim, survivor, *([resume] if "resume" in locals() else [])):
+            if proc.poll() is None:
+                proc.kill()
+    texts = {"worker": survivor_log.read_text(errors="replace"), "resume": resume_log.read_text(errors="replace")}
+    problems += [f"{k} exited {c}: {texts[k][-1500:]}" for k, c in codes.items() if c != 0]
+    line = re.search(r"resume: (\d+) running trials kept .*?, (\d+) abandoned ones failed", texts["resume"])
+    kept, failed = (int(line.group(1)), int(line.group(2))) if line else (0, 0)
+
+    trials = _study_trials(job.db)
+    states = {t.number: t.state.name for t in trials}
+    fails = {n for n, st in states.items() if st == "FAIL"}
+    # the killed worker's tagged trials, and at most one it created but had not tagged yet
+    untagged = {t.number for t in trials if _record(t).worker is None}
+    if not orphans <= fails or not fails <= orphans | untagged or len(fails - orphans) > 1:
+        problems.append(f"failed trials {sorted(fails)}, the killed worker's running ones {sorted(orphans)}")
+    if failed != len(fails):  # (no line: nothing was running when it opened the study)
+        problems.append(f"the resume's log says {kept} kept, {failed} failed; the study has {len(fails)} failed")
+    survivors = [t for t in trials if _pid_of(t) == survivor.pid]
+    problems += [f"the live worker's trial {t.number} ended {t.state.name}" for t in survivors if t.state.name != "COMPLETE"]
+    problems += [f"trial {n} left {st}" for n, st in states.items() if st in ("RUNNING", "WAITING")]
+    done = [t for t in trials if t.state.name == "COMPLETE"]
+    n_trials = yaml.safe_load(job.config.read_text())["budget"]["n_trials"]
+    if not n_trials <= len(done) <= n_trials + 2:  # MaxTrialsCallback overshoots by at most processes - 1
+        problems.append(f"{len(done)} finished trials for n_trials {n_trials}")
+    resumed_of = {_record(t).resume_of for t in done}
+    by_number = {t.number: t for t in trials}
+    problems += [f"killed OPD trial {n} was not redone" for n in fails
+                 if (c := _record(by_number[n]).candidate) and "opd" in c.strategy and n not in resumed_of]
+    summary = job.summary()
+    problems += [f"OPD trial {k} history steps {v}" for k, v in summary["opd_trials"].items()
+                 if v != list(range(1, summary["opd_steps"] + 1))]
+    opd = {r.resume_of if r.resume_of is not None else t.number for t in done
+           if (r := _record(t)).opd_history is not None}
+    if summary["opd_left"] or summary["opd_dirs"] != sorted(f"trial-{n}" for n in opd):
+        problems.append(f"OPD directories {summary['opd_dirs']} (checkpoints left {summary['opd_left']}) for "
+                        f"OPD trials {sorted(opd)}")
+    problems += check_tree(job.work)
+    where = f"{kept} live kept, {failed} failed{'' if live else ' (worker had ended)'}"
+    log(f"  killed worker {victim.pid} in trials {sorted(orphans)}; resume: {where}; {len(done)} trials done"
+        f"{'; PROBLEMS ' + str(problems) if problems else ''}")
+    return {"kills": 1, "problems": problems, "leftovers": leftovers(job.work), "resumed": [where],
+            "progress": [], "summary": summary, "torn": 0, "live": live}
+
+
+def run_live(work: Path, lab: dict, episodes: int, rng: random.Random, size: int, ref: dict | None = None,
+             ref_s: float | None = None, log=print) -> dict:
+    """`episodes` of `live_resume_episode`, against the search reference (run here unless given)."""
+    problems = []
+    if ref is None:
+        ref_job = make_job("search", work / "ref", lab, size)
+        _, ref_s, _ = ref_job.run()
+        problems = [f"reference: {p}" for p in check_tree(ref_job.work)]
+        ref = ref_job.summary()
+    eps = []
+    for i in range(episodes):
+        job = make_job("search", work / f"ep{i}", lab, size)
+        log(f"live resume episode {i}:")
+        ep = live_resume_episode(job, rng, (0.0, min(5.0, ref_s / 4)), log=log)
+        ep["problems"] += [f"left {ep['leftovers']}"] if ep["leftovers"] else []
+        ep["identical"] = None
+        pairs = _shared(ep["summary"], ref)
+        if pairs[0] != pairs[1]:
+            ep["problems"].append(f"{pairs[1] - pairs[0]} candidates scored differently from the reference's")
+        eps.append(ep)
+    return {"job": "search, --resume beside a live worker", "ref": ref, "ref_s": ref_s, "episodes": eps,
+            "problems": problems}
+
+
 def print_table(reports: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="SIGKILL fault injection")
-    for col in ("job", "episodes", "kills", "reruns resumed from", "identical to reference", "problems"):
+    for col in ("job", "episodes", "kills", "torn checkpoints", "reruns resumed from", "identical to reference",
+                "problems"):
         table.add_column(col, overflow="fold")
     for r in reports:
         eps = r["episodes"]
@@ -647,7 +840,8 @@ def print_table(reports: list[dict]) -> None:
         else:
             pairs = [_shared(e["summary"], r["ref"]) for e in eps]
             same = f"{sum(a for a, _ in pairs)}/{sum(b for _, b in pairs)} shared candidates' scores"
-        table.add_row(r["job"], str(len(eps)), str(sum(e["kills"] for e in eps)), resumed, same,
+        table.add_row(r["job"], str(len(eps)), str(sum(e["kills"] for e in eps)), str(sum(e["torn"] for e in eps)),
+                      resumed, same,
                       "\n".join(problems) if problems else "none")
     Console(width=200).print(table)
 
@@ -666,17 +860,25 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="GSPO steps of each expert")
     ap.add_argument("--opd-steps", type=int, default=64, help="steps of each OPD run")
     ap.add_argument("--trials", type=int, default=6, help="finished trials of each search")
+    ap.add_argument("--live-resumes", type=int, default=2, help="searches of two workers where one is killed "
+                    "and --resume starts while the other runs (0: none)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill delays")
     ap.add_argument("--base", default=None, help="base model directory (default: a pico base built here)")
-    ap.add_argument("--work", default=None, help="work directory (default: a new temporary one)")
+    ap.add_argument("--work", default=None, help="work directory, kept (default: a temporary one, removed at the end)")
     args = ap.parse_args(argv)
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
     unknown = sorted(set(jobs) - set(JOBS))
     if unknown or not jobs:
         ap.error(f"--jobs: unknown {unknown}; choose from {','.join(JOBS)}")
 
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="opd-faults-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.work:
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
+    else:  # the runs' directories and logs, removed however the bench ends: --work keeps them
+        work = Path(tempfile.mkdtemp(prefix="opd-faults-"))
+        atexit.register(shutil.rmtree, work, True)
+    # the jobs write their outputs under the work directory: an allowed output root (opd.paths)
+    os.environ["OPD_OUTPUT_ROOTS"] = os.pathsep.join(filter(None, [os.environ.get("OPD_OUTPUT_ROOTS"), str(work)]))
     base = Path(args.base) if args.base else build_pico_base(work / "pico")
     lab = build_lab(work / "lab", base)
     print(f"work directory {work}")
@@ -686,6 +888,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     reports = [run_job(kind, work / kind, lab, n, args.per_episode, rng, size[kind])
                for kind, n in zip(jobs, share)]
+    if args.live_resumes:
+        search = next((r for r in reports if r["job"] == "search"), {})
+        reports.append(run_live(work / "live", lab, args.live_resumes, rng, args.trials, search.get("ref"),
+                                search.get("ref_s")))
     print()
     print_table(reports)
     bad = sum(bool(r["problems"]) + sum(bool(e["problems"]) for e in r["episodes"]) for r in reports)

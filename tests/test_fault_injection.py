@@ -22,9 +22,13 @@ sys.modules["fault_injection"] = fi  # dataclasses look their module up while th
 _spec.loader.exec_module(fi)
 
 
-# size: steps (train, opd), enough for the kills to land before the end even on a fast machine; trials (search)
-@pytest.mark.parametrize("kind,size,kills", [("train", 16, 3), ("opd", 12, 2), ("search", 3, 2)])
-def test_sigkills_after_progress_resume_to_the_uninterrupted_result(trained_pico_dir, tmp_path, kind, size, kills):
+# size: steps (train, opd), enough for the kills to land before the end even on a fast machine; trials (search).
+# tear: each kill's checkpoints are then truncated (GSPO falls back to its previous one or starts fresh).
+@pytest.mark.parametrize("kind,size,kills,tear", [("train", 16, 3, False), ("opd", 12, 2, False),
+                                                  ("search", 3, 2, False), ("train", 16, 3, True)],
+                         ids=["train", "opd", "search", "train-torn"])
+def test_sigkills_after_progress_resume_to_the_uninterrupted_result(trained_pico_dir, tmp_path, kind, size, kills,
+                                                                    tear):
     lab = fi.build_lab(tmp_path / "lab", trained_pico_dir)
     ref_job = fi.make_job(kind, tmp_path / "ref", lab, size, opd_steps=4)  # the search's OPD trials: 4 steps
     ref_job.run_here()
@@ -34,12 +38,13 @@ def test_sigkills_after_progress_resume_to_the_uninterrupted_result(trained_pico
     job = fi.make_job(kind, tmp_path / "killed", lab, size, opd_steps=4)
     shutil.copytree(ref_job.work / "cache", job.work / "cache")  # scores the reference computed: a faster CI
     ep = fi.kill_episode(job, random.Random(0), (0.0, 0.1), max_kills=kills, log=lambda *_: None,
-                         after_progress=True, finish_here=True)
+                         after_progress=True, finish_here=True, tear=tear)
 
     assert ep["kills"] == kills, ep  # the pico runs outlast their kills
     assert not ep["problems"], ep["problems"]
     assert not ep["leftovers"], ep["leftovers"]
     assert len(ep["resumed"]) == kills, ep["resumed"]  # every rerun said where it started, or kept the trials
+    assert (ep["torn"] >= kills) if tear else not ep["torn"]  # a checkpoint after each kill (after_progress)
     assert not job.compare(ep["summary"], ref)
     if kind == "search":
         assert ep["progress"][0] != ({}, {}, False), ep["progress"]  # a finished trial or an OPD checkpoint

@@ -1,7 +1,9 @@
-"""Malformed recipes and specs, generated: every one is refused with an OpdError, one line naming the file.
+"""Malformed recipes, specs and distillation run files, generated: every one is refused with an
+OpdError, one line naming the file.
 
-The bulk runs in-process through the three loaders (merge recipes, expert specs, base specs); a few
-go through the real CLIs to check exit code 2, one stderr line, no traceback and nothing written.
+The bulk runs in-process through the four loaders (merge recipes, expert specs, base specs, OPD
+runs); a few go through the real CLIs to check exit code 2, one stderr line, no traceback and
+nothing written.
 Each generator is built so that its output is certainly invalid: a valid document plus exactly one
 defect (unknown key, wrong type, value out of range, broken YAML, a top level that is not a mapping).
 """
@@ -36,10 +38,12 @@ VALID = {
     "expert": {"capability": "count", "steps": 3, "gspo": {"group_size": 4, "lr": 1e-3}},
     "base": {"capabilities": ["add", "count"], "mixture": {"add": 1.0, "count": 1.0}, "steps": 10,
              "shape": {"hidden_size": 36}, "band": [0.1, 0.5]},
+    "distill": {"teachers": ["add", "rev"], "distill": {"steps": 2, "lr": 1e-3, "eval_every": 1}, "threads": 1},
 }
-LOADERS = {"merge": load_recipe, "expert": load_expert_spec, "base": load_base_spec}
+LOADERS = {"merge": load_recipe, "expert": load_expert_spec, "base": load_base_spec, "distill": load_run}
 # Mapping-valued sections that refuse unknown keys, per kind ("" is the top level).
-SECTIONS = {"merge": ["", "budget", "screening", "objectives"], "expert": ["", "gspo"], "base": ["", "shape"]}
+SECTIONS = {"merge": ["", "budget", "screening", "objectives"], "expert": ["", "gspo"], "base": ["", "shape"],
+            "distill": ["", "distill"]}
 
 # (dotted field, values of a type it can never take); pydantic's lax mode turns "3" into 3, so
 # scalars get containers and containers get scalars of the wrong kind.
@@ -59,6 +63,11 @@ WRONG_TYPES = {
     "base": {"name": CONTAINERS, "seed": CONTAINERS, "shape": NOT_A_DICT, "shape.hidden_size": CONTAINERS,
              "capabilities": NOT_A_LIST, "mixture": NOT_A_DICT, "difficulty": NOT_A_DICT, "lr": CONTAINERS,
              "band": st.one_of(st.integers(), st.text("xyz", min_size=1)), "batch_size": CONTAINERS},
+    "distill": {"name": CONTAINERS, "base": CONTAINERS, "teachers": NOT_A_LIST, "student": CONTAINERS,
+                "student_merge": st.one_of(st.integers(), st.lists(st.integers(), min_size=1)),
+                "distill": NOT_A_DICT, "distill.steps": CONTAINERS, "distill.lr": CONTAINERS,
+                "distill.routes": NOT_A_DICT, "distill.mix": NOT_A_DICT, "teacher_servers": NOT_A_DICT,
+                "threads": CONTAINERS, "out": CONTAINERS},
 }
 NON_POSITIVE = st.integers(max_value=0)
 UNKNOWN_NAME = st.text("qwxz", min_size=3, max_size=8)  # no capability, method or strategy is spelled so
@@ -83,6 +92,15 @@ BAD_VALUES = {
              "difficulty": UNKNOWN_NAME.map(lambda s: {s: 2}), "steps": NON_POSITIVE, "batch_size": NON_POSITIVE,
              "lr_floor": st.floats(min_value=1.001, max_value=10), "band": st.just([0.9, 0.1]),
              "warmup": st.integers(max_value=-1)},
+    "distill": {"teachers": st.just([]), "distill.steps": st.integers(max_value=-1),
+                "distill.lr": st.floats(max_value=0), "distill.estimator": st.sampled_from(["exact", "", "Full"]),
+                "distill.prompts_per_step": st.one_of(NON_POSITIVE, st.integers(min_value=4097)),
+                "distill.group_size": NON_POSITIVE, "distill.checkpoint_every": NON_POSITIVE,
+                "distill.lr_min_ratio": st.floats(min_value=1.001, max_value=10),
+                "distill.lr_schedule": st.sampled_from(["linear", "", "Cosine"]),
+                "distill.reward_weight": st.floats(max_value=-1e-9, allow_infinity=False),
+                "threads": NON_POSITIVE, "distill.eval_limit": NON_POSITIVE,
+                "distill.adaptive_mix": st.floats(max_value=-1e-9, allow_infinity=False)},
 }
 # Appended as a line of their own, each breaks any YAML document.
 YAML_BREAKS = ["key: [1, 2", "key: {a: 1", "key: 'unclosed", "key: *undefined_alias", "a: b: c",
@@ -101,6 +119,7 @@ def _set(doc: dict, dotted: str, value) -> dict:
 
 
 def _fields(kind: str, section: str) -> set[str]:
+    from opd.distill.config import DistillConfig, DistillRun
     from opd.expert.spec import ExpertSpec, GSPOConfig
     from opd.lab.base import BaseSpec
     from opd.lab.model import ModelShape
@@ -108,7 +127,8 @@ def _fields(kind: str, section: str) -> set[str]:
 
     models = {("merge", ""): MergeRecipe, ("merge", "budget"): Budget, ("merge", "screening"): Screening,
               ("merge", "objectives"): Objectives, ("expert", ""): ExpertSpec, ("expert", "gspo"): GSPOConfig,
-              ("base", ""): BaseSpec, ("base", "shape"): ModelShape}
+              ("base", ""): BaseSpec, ("base", "shape"): ModelShape, ("distill", ""): DistillRun,
+              ("distill", "distill"): DistillConfig}
     return set(models[kind, section].model_fields)
 
 
@@ -176,6 +196,12 @@ def test_malformed_base_specs_are_refused(case):
     _refused("base", case[1])
 
 
+@FUZZ
+@given(malformed("distill"))
+def test_malformed_distill_runs_are_refused(case):
+    _refused("distill", case[1])
+
+
 @pytest.mark.parametrize("kind", sorted(VALID))
 def test_valid_documents_load(kind, tmp_path):
     """The generators' starting points are valid: the defect, not the base document, is refused."""
@@ -211,6 +237,9 @@ CLI_CASES = [
     (["scripts/build_base.py", "--spec", "{f}", "--out", "out"], "capabilities: [add]\nmixture: {add: 1}\nsteps: 0\n"),
     (["-m", "opd.merge", "--recipe", "{f}", "--no-live"], "experts: [a]\nstrategies: {ties: {}}\nsplit: test\n"),
     (["-m", "opd.merge", "--recipe", "{f}", "--no-live"], "experts: [a]\nstrategies: {nope: {}}\n"),
+    (["-m", "opd.distill", "{f}"], "teachers: [add]\ndistill: {steps: -1}\n"),
+    (["-m", "opd.distill", "{f}"], "teachers: add\n"),
+    (["-m", "opd.distill", "{f}"], "teachers: [add\n"),
 ]
 
 

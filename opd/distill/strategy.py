@@ -34,15 +34,22 @@ def opd_student(inputs, cand, recipe, init_sd: dict, trial_dir: Path, *, evaluat
                 live: bool = False) -> tuple[dict, list[dict]]:
     """Distil the experts into a student starting from `init_sd`; returns (state dict, history).
     `live`: show the student's bars in the live display (opd.display)."""
-    from safetensors.torch import load_file
-
     weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
     if weights_file.exists() and history_file.exists():
-        return load_file(weights_file), json.loads(history_file.read_text())
+        return _trained(trial_dir)
     with exclusive_dir(trial_dir):  # a requeued trial never trains beside a live original
         if weights_file.exists() and history_file.exists():  # it finished while we waited to look
-            return load_file(weights_file), json.loads(history_file.read_text())
+            return _trained(trial_dir)
         return _train_student(inputs, cand, recipe, init_sd, trial_dir, evaluate_fn, references, log, live)
+
+
+def _trained(trial_dir: Path) -> tuple[dict, list[dict]]:
+    """The finished student and its history. A kill between their writes and the checkpoint's removal
+    left the checkpoint: nothing resumes from it once both are written, so it goes now."""
+    from safetensors.torch import load_file
+
+    (trial_dir / "state.pt").unlink(missing_ok=True)
+    return load_file(trial_dir / "student.safetensors"), json.loads((trial_dir / "history.json").read_text())
 
 
 def _train_student(inputs, cand, recipe, init_sd, trial_dir: Path, evaluate_fn, references, log, live):

@@ -204,7 +204,7 @@ SEARCH_FIELDS = ("base", "experts", "capabilities", "strategies", "objectives", 
 
 
 def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool, *, name: str | None = None,
-               warm: tuple[str, list[tuple[int, dict]]] | None = None) -> optuna.Study:
+               warm: tuple[str, list[tuple[int, dict]]] | None = None, log=lambda *_: None) -> optuna.Study:
     """Create the study `name` (default: the recipe's name), or continue it with `resume` (or join it
     as a --worker). A study created with `warm` = (earlier study, [(its trial number, params)]) runs
     those params first and stops at `budget.warm_fraction` of the trials (`trial_budget`)."""
@@ -237,9 +237,13 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
         # A killed single-worker run leaves its trial RUNNING forever; it is redone, not kept. An OPD
         # trial is queued again with its own parameters, seed and init, so its run continues from its
         # checkpoint instead of starting over.
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            if not _abandoned(t, storage, study):
-                continue  # another worker is still running it: its result must be accepted
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        deadline = time.monotonic() + WORKER_TAG_WAIT_S
+        abandoned = [t for t in running if _abandoned(t, storage, study, deadline)]
+        if running:
+            log(f"resume: {len(running) - len(abandoned)} running trials kept (their workers are alive), "
+                f"{len(abandoned)} abandoned ones failed")
+        for t in abandoned:  # another worker's live trial is left running: its result must be accepted
             storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
             rec = trials.read(t)
             if rec.candidate and get_strategy(rec.candidate.strategy).resumable:
@@ -253,11 +257,23 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     return study
 
 
-def _abandoned(t: optuna.trial.FrozenTrial, storage, study: optuna.Study) -> bool:
+# A worker tags its trial with itself (user attr "worker") first thing after Optuna creates it, but
+# the two are separate writes: a RUNNING trial without the tag is either just created by a live worker
+# or cut short before it could tag. --resume waits this long for the tag before taking the latter.
+WORKER_TAG_WAIT_S = 5.0
+
+
+def _abandoned(t: optuna.trial.FrozenTrial, storage, study: optuna.Study, deadline: float) -> bool:
     """Whether a RUNNING trial's worker is gone: a process of this machine that no longer exists, or
-    (another machine's) a heartbeat older than the storage's grace period."""
+    (another machine's) a heartbeat older than the storage's grace period, or no worker tagged it by
+    `deadline` (time.monotonic())."""
     from opd.io import _pid_alive
 
+    while trials.read(t).worker is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        t = storage.get_trial(t._trial_id)
+    if t.state != optuna.trial.TrialState.RUNNING:
+        return False  # it finished while we waited: nothing to fail
     host, _, pid = (trials.read(t).worker or "").rpartition(":")
     if not host:
         return True  # killed before it recorded its worker
@@ -290,9 +306,11 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
     two_stage = screen.limit is not None
 
     def objective(trial: optuna.Trial) -> list[float]:
+        # first: a --resume from another process tells a live worker's trial from an abandoned one by it
+        # (several workers may share a study)
+        trials.update(trial, worker=f"{socket.gethostname()}:{os.getpid()}")
         cand = suggest(trial, recipe, experts)
-        # several workers may share a study: the worker says whose trial it is
-        rec = trials.update(trial, candidate=cand, worker=f"{socket.gethostname()}:{os.getpid()}")
+        rec = trials.update(trial, candidate=cand)
         if rec.resume_of is None:  # a resumed trial keeps the start it was queued with
             start = get_strategy(cand.strategy).start(cand, lambda: best_merge(trial.study))
             rec = trials.update(trial, **start) if start else rec
@@ -314,6 +332,13 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
 
     done = len(finished(study))
     n_trials = trial_budget(recipe, study)
+    # An OPD trial a killed worker left is requeued (open_study) and redone even when the other
+    # workers have met the budget meanwhile: it gets its one result and its checkpoint is used up,
+    # not left WAITING for ever. Optuna hands out waiting trials first.
+    requeued = sum(trials.read(t).resume_of is not None
+                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+    if n_trials is not None:
+        n_trials = max(n_trials, done + requeued)
     remaining = None if n_trials is None else n_trials - done
     if remaining is not None and remaining <= 0:
         return
@@ -469,7 +494,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         params = history.warm_params(prev, recipe, list(inputs.expert_paths), warm_budget(recipe))
         warm = (prev.get("study", prev["recipe"]["name"]), params) if params else None
     study = open_study(recipe, len(objective_names(recipe, inputs.capabilities)), resume, worker,
-                       name=name, warm=warm)
+                       name=name, warm=warm, log=log)
     if warm:
         log(f"inputs changed since study {warm[0]}: new study {name}, starting from its {len(warm[1])} best settings")
     scorer = Scorer(inputs, recipe.eval_batch_size)

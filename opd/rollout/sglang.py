@@ -342,11 +342,21 @@ def health(base_url: str, timeout_s: float = 5.0, api_key: str | None = None) ->
 
 @dataclass
 class ServerHandle:
-    """A launched server: its process and URL. `close()` stops it (also usable as a context manager)."""
+    """A launched server: its process and URL. `close()` stops it and removes its temp log (also usable
+    as a context manager); the log also goes at exit if nobody closed the handle."""
 
     process: subprocess.Popen
     base_url: str
     log_path: Path
+
+    def __post_init__(self):
+        self._remove_log = weakref.finalize(self, Path.unlink, self.log_path, True)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return _one_line(self.log_path.read_text(errors="replace")[-n:], n)
+        except OSError:
+            return ""
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self.process.poll() is None:
@@ -356,6 +366,7 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._remove_log()
 
     def __enter__(self):
         return self
@@ -371,7 +382,8 @@ def launch_server(model_path: str | os.PathLike, port: int, extra_args: list[str
 
     The server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 and RETURN_ORIGINAL_LOGPROB=1 (temperature-1
     output log-probs on new and old servers). api_key: passed as --api-key and used for the health check.
-    Its output goes to a log file whose tail is quoted when the server dies or does not come up.
+    Its output goes to a temp log file (removed by `close()`) whose tail is quoted when the server dies
+    or does not come up.
     """
     import importlib.util
 
@@ -388,10 +400,12 @@ def launch_server(model_path: str | os.PathLike, port: int, extra_args: list[str
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = _one_line(log_path.read_text(errors="replace")[-2000:], 2000)
-            raise OpdError(f"sglang server exited with code {proc.returncode} (log {log_path}): {tail}")
+            tail = handle.log_tail()
+            handle.close()
+            raise OpdError(f"sglang server exited with code {proc.returncode}: {tail}")
         if health(handle.base_url, timeout_s=5.0, api_key=api_key):
             return handle
         time.sleep(0.5)
+    tail = handle.log_tail()
     handle.close()
-    raise OpdError(f"sglang server did not answer {handle.base_url}/health within {timeout_s:.0f} s (log {log_path})")
+    raise OpdError(f"sglang server did not answer {handle.base_url}/health within {timeout_s:.0f} s: {tail}")
