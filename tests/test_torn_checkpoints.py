@@ -79,3 +79,24 @@ def test_base_build_reruns_over_a_torn_checkpoint(tmp_path, how):
     manifest = build_base(spec, out, log=logs.append)
     assert manifest["kept_step"] in (1, 2) and (out / "config.json").exists()
     assert sum("unreadable" in m for m in logs) == 1
+
+
+def test_base_build_resumes_with_its_bar_where_it_stopped(tmp_path):
+    """Killed after its step-1 checkpoint, the rerun resumes at step 1 and its progress bar hears
+    step 1 before it trains step 2 (a resumed bar does not start from 0)."""
+    from opd.lab.base import BaseSpec, build_base
+    from opd.lab.pico import PICO
+
+    spec = BaseSpec(capabilities=["count"], mixture={"count": 1.0}, steps=2, eval_every=1, eval_limit=4,
+                    batch_size=4, warmup=0, shape=PICO, threads=1, report_to="none")
+    out = tmp_path / "runs" / "base"
+
+    def kill_at_2(step, total, loss):
+        if step == 2:
+            raise KeyboardInterrupt  # after step 1's checkpoint, before step 2's
+
+    with pytest.raises(KeyboardInterrupt):
+        build_base(spec, out, progress=kill_at_2, log=lambda *_: None)
+    seen, logs = [], []
+    build_base(spec, out, progress=lambda s, n, loss: seen.append(s), log=logs.append)
+    assert "resuming base build at step 1" in logs and seen == [1, 2]

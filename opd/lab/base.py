@@ -136,6 +136,8 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
         torch.set_rng_state(ck["torch_rng"])
         state = ck["state"]
         log(f"resuming base build at step {state['step']}")
+        if progress:  # the bar starts where the run had got to
+            progress(state["step"], spec.steps, float("nan"))
     t0 = time.time() - state["elapsed"]
     model.train()
     with open_tracker(spec.report_to, tracking_dir(out), spec.name, spec.model_dump(mode="json")) as tracker:
