@@ -5,8 +5,8 @@
 The three jobs, each on pico models built here in seconds (a pico Qwen3 pre-trained on `count`, and
 two "experts" that are small random task vectors on it):
   train   scripts/train_expert.py SPEC --out DIR          (GSPO, checkpoint every step)
-  search  python -m opd.merge --recipe R.yaml --resume    (Optuna over ties, task_arithmetic, opd and
-                                                           ties+opd; --resume also starts a new study)
+  search  python -m opd.merge --recipe R.yaml             (Optuna over ties, task_arithmetic, opd and
+                                                           ties+opd; the same command continues a study)
   opd     python -m opd.distill RUN.yaml                  (checkpoint every step, val checks)
 
 For each job one uninterrupted run is the reference. Then episodes: start the command in a fresh
@@ -29,7 +29,7 @@ OPD trial's), as a crash on a filesystem that does not order writes may: the rer
 back to the previous checkpoint or start fresh, and still match the reference.
 
 Then `--live-resumes` searches of two `--worker` processes on one study: one worker is SIGKILLed
-inside a trial and `--resume` starts from a third process while the other still runs. The resume must
+inside a trial and the plain command (a resume) starts from a third process while the other still runs. The resume must
 fail exactly the killed worker's trials (requeueing an OPD one), never the live worker's; every other
 trial completes once, each OPD student is trained once in one directory (see `live_resume_episode`).
 
@@ -473,13 +473,13 @@ class Distiller(CheckpointedJob):
 
 @dataclass
 class Search(Job):
-    """The merge search: `python -m opd.merge --recipe R.yaml --resume --no-live`. `--resume` makes one
-    command for the first run and every rerun: it continues the study when there is one, else starts it."""
+    """The merge search: `python -m opd.merge --recipe R.yaml --no-live`, one command for the first run
+    and every rerun: it continues the study when there is one, else starts it."""
 
     kind = "search"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "opd.merge", "--recipe", str(self.config), "--resume", "--no-live"]
+        return [sys.executable, "-m", "opd.merge", "--recipe", str(self.config), "--no-live"]
 
     def call(self, log) -> None:
         from opd.merge import load_recipe, run_recipe
@@ -734,10 +734,10 @@ def live_resume_episode(job: Search, rng: random.Random, window: tuple[float, fl
     base = [sys.executable, "-m", "opd.merge", "--recipe", str(job.config), "--no-live"]
     env = {**job.env, "COLUMNS": "200", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
-    def start(flag: str, name: str) -> tuple[subprocess.Popen, Path]:
+    def start(flag: str | None, name: str) -> tuple[subprocess.Popen, Path]:
         log_path = job.work / f"{name}.log"
         with open(log_path, "w") as f:
-            return subprocess.Popen([*base, flag], cwd=job.work, env=env, stdout=f, stderr=subprocess.STDOUT), log_path
+            return subprocess.Popen([*base, *([flag] if flag else [])], cwd=job.work, env=env, stdout=f, stderr=subprocess.STDOUT), log_path
 
     (victim, _), (survivor, survivor_log) = start("--worker", "worker-0"), start("--worker", "worker-1")
     problems: list[str] = []
@@ -749,7 +749,7 @@ def live_resume_episode(job: Search, rng: random.Random, window: tuple[float, fl
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         orphans = {t.number for t in _study_trials(job.db) if t.state.name == "RUNNING" and _pid_of(t) == victim.pid}
-        resume, resume_log = start("--resume", "resume")
+        resume, resume_log = start(None, "resume")  # the plain command: it resumes the study
         while "resume: " not in resume_log.read_text() and resume.poll() is None:
             time.sleep(0.1)
         live = survivor.poll() is None  # the worker still ran when the resume decided

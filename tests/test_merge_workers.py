@@ -156,7 +156,7 @@ def test_two_workers_and_a_resume_share_one_study(tmp_path, storage):
     workers = [start([*cmd, "--worker"], log) for log in logs[:2]]
     try:
         live = _stop_mid_trial(workers, storage)
-        resume = start([*cmd, "--resume"], logs[2])
+        resume = start(cmd, logs[2])  # the plain command resumes the study
         try:
             deadline = time.monotonic() + 300
             while "resume: " not in logs[2].read_text() and resume.poll() is None and time.monotonic() < deadline:
