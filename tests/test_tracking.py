@@ -117,11 +117,9 @@ def test_report_to_does_not_change_an_experts_identity():
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_wandb_when_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
-    import runpy
-
     from opd.distill.config import DistillConfig
+    from opd.expert.cli import train_main
     from opd.expert.spec import load_expert_spec
-    from opd.paths import PROJECT
 
     spec = tmp_path / "count.yaml"
     spec.write_text("capability: count\n")
@@ -135,9 +133,8 @@ def test_wandb_when_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
         open_tracker("wandb", tmp_path / "tb")
     # the command line: one line on stderr, exit code 2, before anything loads
     monkeypatch.setenv("OPD_VERBOSE", "1")  # keep this process's console settings as they are
-    main = runpy.run_path(str(PROJECT / "scripts" / "train_expert.py"))["main"]
-    with pytest.raises(SystemExit) as exit_:
-        main([str(spec), "report_to=wandb"])
+    with pytest.raises(SystemExit) as exit_:  # scripts/train_expert.py and `opd train-expert` run it
+        train_main([str(spec), "report_to=wandb"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert exit_.value.code == 2 and len(err) == 1 and "wandb" in err[0], err
 
