@@ -150,4 +150,6 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
     if "merge" in stages:
         from opd.merge import run_recipe
 
-        run_recipe(recipe, resume=True, worker=False, live=True, log=console.print)
+        # soft_wrap: a log off a terminal keeps the headline's table rows whole (rich wraps at 80)
+        run_recipe(recipe, resume=True, worker=False, live=True,
+                   log=lambda m: console.print(m, soft_wrap=True, markup=False, highlight=False))
