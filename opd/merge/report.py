@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import math
 from pathlib import Path
 
@@ -467,8 +468,6 @@ def rewrite_report(run_dir: str | Path, log=print) -> Path:
     if not path.is_file():
         raise OpdError(f"{path}: no such file; give a merge run's directory (runs/merge/<name>) whose search "
                        "has finished (python -m opd.merge --recipe R.yaml writes it)")
-    import json
-
     try:
         summary = json.loads(path.read_text())
         recipe = MergeRecipe.model_validate({**summary["recipe"], "out": str(run_dir)})

@@ -215,10 +215,7 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     try:
         storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
     except Exception as e:  # a wrong URL, an unreachable server, a refused login
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise OpdError(f"storage {recipe.storage_label}: cannot open the study storage ({type(e).__name__}: "
-                       f"{redact_url(first)}); check the 'storage' URL (a password goes in PGPASSWORD or "
-                       "~/.pgpass, not in the URL)") from None
+        raise _storage_error(recipe, "cannot open the study storage", e) from None
     summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
     exists = summary is not None
     if exists and not (resume or worker):
@@ -450,6 +447,14 @@ def _stage_minutes(recipe: MergeRecipe, study, refs_s: float, search_s: float, f
             **{k: v / 60 for k, v in spent.items()}, "test scoring": final_s / 60}
 
 
+def _storage_error(recipe: MergeRecipe, what: str, e: Exception) -> OpdError:
+    """One line for a storage that fails (a wrong URL, an unreachable server, a refused login), with
+    any password in the message redacted."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return OpdError(f"storage {recipe.storage_label}: {what} ({type(e).__name__}: {redact_url(first)}); check "
+                    "the 'storage' URL (a password goes in PGPASSWORD or ~/.pgpass, not in the URL)")
+
+
 def _start_over(recipe: MergeRecipe, name: str, log) -> None:
     """--fresh: delete the study `name` from the recipe's storage and the OPD students trained for it."""
     try:
@@ -457,10 +462,8 @@ def _start_over(recipe: MergeRecipe, name: str, log) -> None:
         log(f"--fresh: deleted study {name!r} from {recipe.storage_label}")
     except KeyError:
         pass  # no such study yet
-    except Exception as e:  # a wrong URL, an unreachable server, a refused login
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise OpdError(f"storage {recipe.storage_label}: cannot delete study {name!r} ({type(e).__name__}: "
-                       f"{redact_url(first)}); check the 'storage' URL") from None
+    except Exception as e:
+        raise _storage_error(recipe, f"cannot delete study {name!r}", e) from None
     shutil.rmtree(recipe.out_dir / "opd", ignore_errors=True)
 
 
