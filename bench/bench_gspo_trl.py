@@ -53,8 +53,8 @@ def opd_spec(args):
 
 
 def run_opd(model, tok, args) -> dict:
-    """opd's own loop (`opd.gspo.trainer.train`) with screening and checkpoints out of the way."""
-    from opd.gspo.trainer import train
+    """opd's own loop (`opd.expert.trainer.train`) with screening and checkpoints out of the way."""
+    from opd.expert.trainer import train
 
     spec = opd_spec(args)
     with tempfile.TemporaryDirectory() as d:
@@ -72,7 +72,7 @@ def run_trl(model, tok, args) -> dict:
 
     from opd.capabilities import get_capability
     from opd.capabilities.rewards import get_reward
-    from opd.gspo.trainer import prompt_rng
+    from opd.expert.trainer import prompt_rng
 
     cap = get_capability(args.capability)
     verifier = get_reward("verifier")

@@ -72,9 +72,9 @@ def main() -> None:
 
     import optuna
 
-    from opd.merge.methods import merge_candidate, mergekit_config
     from opd.merge.recipe import MergeRecipe, load_inputs
     from opd.merge.search import Scorer, suggest
+    from opd.weights.merge import merge_candidate, mergekit_config
 
     work = Path(tempfile.mkdtemp(prefix="opd-bench-merge-"))
     atexit.register(shutil.rmtree, work, True)  # the fake lab and the search's out: removed however it ends

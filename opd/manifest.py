@@ -1,7 +1,8 @@
 """Expert manifests: what produced an expert and how it scores, next to its weights.
 
 Layout: `experts/<name>/` is an HF model directory (config, safetensors weights, tokenizer) plus
-`manifest.json`. `experts/<name>.yaml` is the spec that trains it.
+`manifest.json`. `experts/<name>.yaml` is the spec that trains it (opd.expert), and the merges,
+RegMean's Gram matrices and the distillation runs read the manifest back: it sits below all of them.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from opd.errors import OpdError, format_validation_error
+from opd.paths import PROJECT
 
-EXPERTS_DIR = Path(__file__).resolve().parents[2] / "experts"
+EXPERTS_DIR = PROJECT / "experts"
 
 
 class ScoreEntry(BaseModel):

@@ -30,7 +30,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.evaluation.api import evaluate
-    from opd.expert.manifest import EXPERTS_DIR
+    from opd.manifest import EXPERTS_DIR
 
     base_mf = json.loads((Path(args.base) / "manifest.json").read_text())
     caps = base_mf.get("capabilities") or base_mf["spec"]["capabilities"]
@@ -110,7 +110,7 @@ def distill_table(run: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.evaluation.api import evaluate
-    from opd.expert.manifest import load_manifest, resolve_expert
+    from opd.manifest import load_manifest, resolve_expert
 
     mf = json.loads((run / "manifest.json").read_text())
     teachers = {n: load_manifest(resolve_expert(t["path"])) for n, t in mf["inputs"]["teachers"].items()}

@@ -74,7 +74,7 @@ def lab3(tmp_path_factory):
     from test_merge_fakes import build_fake_lab
     from transformers import AutoModelForCausalLM
 
-    from opd.merge.recipe import merge_keys
+    from opd.weights.merge import merge_keys
 
     lab = build_fake_lab(tmp_path_factory.mktemp("lab"), ("add", "rev", "sort"))
     sds = {n: merge_keys(AutoModelForCausalLM.from_pretrained(p).state_dict()) for n, p in

@@ -117,7 +117,7 @@ def test_completion_ids_are_trained_as_sampled_not_retokenized(bpe):
     from opd.distill.batch import build_batch
     from opd.distill.routing import resolve_routes
     from opd.distill.teachers import embedded_teacher
-    from opd.gspo.batch import group_rollouts
+    from opd.rl.batch import group_rollouts
     from opd.rollout import SamplingParams, get_engine
 
     torch.manual_seed(0)
@@ -166,8 +166,7 @@ def test_mergekit_keeps_the_tokenizer_and_the_newline_stop(bpe, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from opd.lab.pico import build_fake_lab
-    from opd.merge.methods import Candidate, merge_in_memory, mergekit_config, run_mergekit
-    from opd.merge.recipe import merge_keys
+    from opd.weights.merge import Candidate, merge_in_memory, merge_keys, mergekit_config, run_mergekit
 
     lab = build_fake_lab(tmp_path / "lab", ("add", "rev"), tokenizer=bpe)
     experts = {n: str(p) for n, p in lab["experts"].items()}
@@ -235,8 +234,8 @@ def test_bpe_lab_end_to_end(tmp_path):
     from opd.expert.run import run_expert
     from opd.expert.spec import ExpertSpec
     from opd.lab.base import build_base
-    from opd.merge.methods import Candidate, mergekit_config, run_mergekit
     from opd.rollout import SamplingParams, get_engine
+    from opd.weights.merge import Candidate, mergekit_config, run_mergekit
 
     caps = ["count", "add"]
     base = tmp_path / "base"

@@ -20,7 +20,7 @@ import yaml
 from test_merge_fakes import build_fake_lab
 
 from opd.errors import OpdError
-from opd.gspo.ds import _free_port, init_process_env
+from opd.rl.distributed import _free_port, init_process_env
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO2 = {"zero_optimization": {"stage": 2}}
@@ -107,9 +107,9 @@ def test_zero2_optimizer_state_round_trip(tmp_path, monkeypatch):
     import torch
 
     from opd.expert.spec import ExpertSpec
-    from opd.gspo.ds import deepspeed_wrap, load_optimizer_state
     from opd.lab.model import ModelShape, build_model
     from opd.lab.tokenizer import build_char_tokenizer
+    from opd.rl.distributed import deepspeed_wrap, load_optimizer_state
 
     for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(v, raising=False)
@@ -206,9 +206,9 @@ def test_distill_zero2_matches_plain_torch_and_resumes(trained_pico_dir, tokeniz
     from transformers import AutoModelForCausalLM
 
     from opd.distill import DistillConfig, distill, embedded_teacher, resolve_routes
-    from opd.gspo.ds import deepspeed_wrap
     from opd.lab.model import build_model
     from opd.lab.pico import PICO
+    from opd.rl.distributed import deepspeed_wrap
 
     _clean_launcher_env(monkeypatch)
     teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
@@ -259,8 +259,8 @@ def test_gspo_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path,
     ranks' saves) only step 1, so this rank resumes step 1; one rank alone takes its newest."""
     import random
 
+    from opd.expert import trainer
     from opd.expert.spec import ExpertSpec
-    from opd.gspo import trainer
     from opd.lab.model import build_model
     from opd.lab.pico import PICO
 

@@ -18,11 +18,11 @@ from opd_kernels import reverse_kl, reverse_kl_from_logits
 from test_merge_fakes import PICO, build_fake_lab
 
 from opd.distill import DistillConfig, TeacherRef, distill, embedded_teacher, prompt_mix, resolve_routes
-from opd.distill.losses import mix_teacher_logprobs, reward_mixed_advantages, sampled_advantages
 from opd.distill.teachers import completion_hidden
 from opd.errors import OpdError
-from opd.gspo.batch import pad_sequences
 from opd.lab.model import build_model
+from opd.rl.batch import pad_sequences
+from opd.rl.distill_loss import mix_teacher_logprobs, reward_mixed_advantages, sampled_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 

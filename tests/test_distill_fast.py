@@ -16,9 +16,9 @@ from opd.distill.routing import resolve_routes
 from opd.distill.teacher_bank import TeacherBank, check_same_architecture
 from opd.distill.teachers import completion_hidden, embedded_teacher, lm_head_weight
 from opd.errors import OpdError
-from opd.gspo.batch import completion_targets, pad_sequences
 from opd.lab.model import ModelShape, build_model
 from opd.lab.pico import PICO
+from opd.rl.batch import completion_targets, pad_sequences
 from opd.rollout import Rollout
 
 

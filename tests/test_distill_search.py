@@ -15,17 +15,19 @@ from test_merge_fakes import build_fake_lab, write_recipe
 
 from opd.errors import OpdError
 from opd.merge import load_recipe, run_recipe
-from opd.merge.methods import Candidate, distill_part, get_strategy, merge_part
+from opd.merge.strategies import get_strategy, merge_part
+from opd.merge.strategies.distill import distill_part
+from opd.weights.merge import Candidate
 
 OPD = {"steps": 2, "lr": 1e-3, "teacher_weight": [0.5, 2.0]}
 
 
 def test_opd_strategies_and_hybrids_are_registered():
-    assert get_strategy("opd").distill and get_strategy("opd").init == "base"
+    assert not get_strategy("opd").weight_space and get_strategy("opd").init == "base"
     assert get_strategy("merge_opd").init == "best"
     hybrid = get_strategy("ties+opd")
     assert hybrid.init == "ties" and {"density", "weight", "steps", "teacher_weight"} <= set(hybrid.parameters)
-    assert not get_strategy("ties").distill
+    assert get_strategy("ties").weight_space
     with pytest.raises(OpdError, match="<method>\\+opd"):
         get_strategy("opd+opd")
     cand = Candidate(strategy="ties+opd", shared={"lambda": 1.0, "steps": 3},

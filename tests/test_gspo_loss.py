@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from opd.gspo.loss import (
+from opd.rl.gspo_loss import (
     entropy_from_logits,
     group_advantages,
     gspo_loss,
@@ -197,8 +197,8 @@ def test_gspo_step_logs_engine_ratio_and_applies_tis(pico_model):
     import pydantic
 
     from opd.expert.spec import ExpertSpec
-    from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_logprobs
-    from opd.gspo.trainer import gspo_step
+    from opd.expert.trainer import gspo_step
+    from opd.rl.batch import group_rollouts, grouped_completion_logits, token_logprobs
     from opd.rollout import Rollout
 
     prompts, completions = [[5, 6], [7]], [[8, 9], [10], [11, 12], [13]]

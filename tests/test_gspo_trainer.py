@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from opd.expert.spec import ExpertSpec, load_expert_spec
-from opd.gspo.batch import (
+from opd.expert.trainer import train
+from opd.rl.batch import (
     completion_logits,
     completion_targets,
     group_rollouts,
@@ -21,7 +22,6 @@ from opd.gspo.batch import (
     pad_sequences,
     token_logprobs,
 )
-from opd.gspo.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

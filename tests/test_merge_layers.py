@@ -12,9 +12,9 @@ import yaml
 from safetensors.torch import load_file
 from test_merge_fakes import PICO, build_fake_lab, write_recipe
 
-from opd.merge.layers import LayerValues, layout_for
-from opd.merge.methods import Candidate, merge_candidate, mergekit_config, run_mergekit
-from opd.merge.recipe import load_recipe, merge_keys
+from opd.merge.recipe import load_recipe
+from opd.weights.layers import LayerValues, layout_for
+from opd.weights.merge import Candidate, merge_candidate, merge_keys, mergekit_config, run_mergekit
 
 LAYERS = 5  # enough blocks for a 3-point gradient to interpolate between its points
 

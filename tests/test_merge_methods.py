@@ -7,15 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from opd.errors import OpdError
-from opd.merge.methods import (
-    STRATEGIES,
-    Candidate,
-    check_inputs,
-    get_strategy,
-    merge_candidate,
-    mergekit_config,
-    run_mergekit,
-)
+from opd.merge.strategies import STRATEGIES, get_strategy
+from opd.weights.merge import Candidate, merge_candidate, mergekit_config, run_mergekit
 
 
 def test_registry_names_mergekit_methods_and_lists_them_on_error():
@@ -29,10 +22,10 @@ def test_registry_names_mergekit_methods_and_lists_them_on_error():
 
 def test_input_contracts_are_checked_before_work():
     with pytest.raises(OpdError, match="exactly two models"):
-        check_inputs(get_strategy("slerp"), 3)
+        get_strategy("slerp").check_inputs(3)
     with pytest.raises(OpdError, match="model_stock"):
-        check_inputs(get_strategy("model_stock"), 1)
-    check_inputs(get_strategy("ties"), 3)
+        get_strategy("model_stock").check_inputs(1)
+    get_strategy("ties").check_inputs(3)
 
 
 CASES = [

@@ -146,7 +146,7 @@ def test_best_model_reproduced_by_mergekit_yaml(run, tmp_path):
     import yaml
     from safetensors.torch import load_file
 
-    from opd.merge.methods import run_mergekit
+    from opd.weights.merge import run_mergekit
 
     recipe, _ = run
     best = recipe.out_dir / "best"

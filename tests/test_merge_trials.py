@@ -9,8 +9,10 @@ import pytest
 
 from opd.errors import OpdError
 from opd.merge.export import export_trial
-from opd.merge.methods import HYBRIDS, STRATEGIES, Candidate, get_strategy
+from opd.merge.strategies import STRATEGIES, get_strategy
+from opd.merge.strategies.distill import HYBRIDS
 from opd.merge.trials import KEY, TrialRecord, from_results, queued, read, update
+from opd.weights.merge import Candidate
 
 CAND = Candidate(strategy="ties", shared={"lambda": 1.0}, per_model={"a": {"density": 0.5}}, seed=3)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opd.merge.regmean import (
+from opd.weights.regmean import (
     collect_grams,
     grams_from_inputs,
     regmean_merge,
@@ -148,13 +148,13 @@ def test_regmean_is_registered_with_mergekit_and_opd(tmp_path):
     import mergekit.merge_methods as mm
 
     import opd.merge  # noqa: F401  (registers it)
-    from opd.merge.methods import check_inputs, get_strategy
     from opd.merge.recipe import load_recipe
+    from opd.merge.strategies import get_strategy
 
     assert mm.get("regmean").spec.name == "regmean"
     s = get_strategy("regmean")
     assert s.inputs == "experts" and s.shared == {"alpha": 0.9, "prompts": 64} and s.per_model == {"weight": 1.0}
-    check_inputs(s, 10)
+    s.check_inputs(10)
     p = tmp_path / "r.yaml"
     p.write_text("name: x\nexperts: [add]\nstrategies: {regmean: {alpha: [0.5, 1.0]}}\n")
     assert load_recipe(p).strategies["regmean"]["alpha"] == (0.5, 1.0)
@@ -172,8 +172,8 @@ def test_method_refuses_inputs_without_grams():
 
 def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path):
     from opd.merge import regmean
-    from opd.merge.methods import Candidate, merge_candidate, mergekit_config, run_mergekit
-    from opd.merge.regmean import expert_grams
+    from opd.weights.merge import Candidate, merge_candidate, mergekit_config, run_mergekit
+    from opd.weights.regmean import expert_grams
 
     lab, sds = lab3
     experts = list(lab["experts"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opd.merge.subspace import iso_c, iso_cts, iso_cts_dims, task_mean, tsv_m
+from opd.weights.subspace import iso_c, iso_cts, iso_cts_dims, task_mean, tsv_m
 
 
 def diag(*v):
@@ -153,13 +153,13 @@ def test_methods_are_registered_with_mergekit_and_opd():
     import mergekit.merge_methods as mm
 
     import opd.merge  # noqa: F401  (registers them)
-    from opd.merge.methods import check_inputs, get_strategy
+    from opd.merge.strategies import get_strategy
 
     for name in ("tsv_m", "iso_c", "iso_cts"):
         assert mm.get(name).spec.name == name
         s = get_strategy(name)
         assert s.inputs == "base+experts" and "alpha" in s.shared and "weight" in s.per_model
-        check_inputs(s, 10)
+        s.check_inputs(10)
     assert get_strategy("iso_cts").shared["common_space_fraction"] == 0.8
 
 
@@ -201,7 +201,7 @@ CASES = [
 
 @pytest.mark.parametrize("method, fn, shared, extra", CASES, ids=[c[0] for c in CASES])
 def test_merge_candidate_runs_each_method_and_matches_run_merge(lab3, tmp_path, method, fn, shared, extra):
-    from opd.merge.methods import Candidate, merge_candidate, mergekit_config, run_mergekit
+    from opd.weights.merge import Candidate, merge_candidate, mergekit_config, run_mergekit
 
     lab, sds = lab3
     experts = list(lab["experts"])

@@ -23,9 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from opd.errors import OpdError
 from opd.evaluation.api import evaluate
 from opd.lab.pico import build_fake_lab
-from opd.merge.methods import Candidate, merge_candidate
-from opd.merge.recipe import merge_keys
 from opd.rollout.sglang import SGLangEngine, launch_server
+from opd.weights.merge import Candidate, merge_candidate, merge_keys
 
 torch.set_num_threads(1)
 work, ok, dies = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

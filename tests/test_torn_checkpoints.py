@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opd.expert.spec import ExpertSpec
-from opd.gspo.trainer import RunState, load_checkpoint, save_checkpoint
+from opd.expert.trainer import RunState, load_checkpoint, save_checkpoint
 from opd.io import atomic_torch_save, previous_path
 from opd.io import load_checkpoint as read_checkpoint
 

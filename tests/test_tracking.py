@@ -41,7 +41,7 @@ def test_gspo_writes_every_metric_and_a_resume_logs_no_step_twice(trained_pico_d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.expert.spec import ExpertSpec
-    from opd.gspo.trainer import train
+    from opd.expert.trainer import train
 
     tok = AutoTokenizer.from_pretrained(trained_pico_dir)
     # checkpoints at step 2 only: the second run resumes there and logs step 3 again, as a run

@@ -9,11 +9,11 @@ import torch
 from opd_kernels import selective_log_softmax
 
 from opd.capabilities import get_capability
-from opd.distill.losses import scatter_tokens
 from opd.distill.routing import Routes
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
-from opd.gspo.batch import completion_targets, pad_sequences
+from opd.rl.batch import completion_targets, pad_sequences
+from opd.rl.distill_loss import scatter_tokens
 from opd.rollout import SamplingParams
 
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.config import load_yaml_model
-from opd.gspo.ds import DeepSpeedFragment
+from opd.rl.distributed import DeepSpeedFragment
 from opd.tracking import REPORT_TO_HELP, ReportTo
 
 Estimator = Literal["sampled", "full"]

@@ -22,18 +22,19 @@ from opd_kernels import reverse_kl, selective_log_softmax
 
 from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_hidden
 from opd.distill.config import DistillConfig
-from opd.distill.losses import (
+from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
+from opd.distill.routing import Routes, prompt_mix
+from opd.distill.teacher_bank import TeacherBank
+from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
+from opd.io import atomic_torch_save
+from opd.rl.distill_loss import (
     mix_teacher_logprobs,
     reward_mixed_advantages,
     sampled_advantages,
     scatter_tokens,
     sequence_mean_loss,
 )
-from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
-from opd.distill.routing import Routes, prompt_mix
-from opd.distill.teacher_bank import TeacherBank
-from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
-from opd.gspo.ds import (
+from opd.rl.distributed import (
     common_step,
     init_distributed,
     load_optimizer_state,
@@ -43,8 +44,7 @@ from opd.gspo.ds import (
     ranks_sum,
     zero_checkpoint_globals,
 )
-from opd.gspo.loss import group_advantages, gspo_loss, k3_kl, masked_mean
-from opd.io import atomic_torch_save
+from opd.rl.gspo_loss import group_advantages, gspo_loss, k3_kl, masked_mean
 from opd.rollout import get_engine
 from opd.schedule import lr_at
 from opd.tracking import Tracker

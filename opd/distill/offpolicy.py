@@ -15,10 +15,10 @@ import torch
 from opd_kernels import selective_log_softmax
 
 from opd.capabilities import get_capability
-from opd.distill.losses import scatter_tokens, sequence_mean_loss
 from opd.distill.routing import Routes
 from opd.distill.teachers import Teacher, lm_head_weight
-from opd.gspo.batch import completion_targets, pad_sequences
+from opd.rl.batch import completion_targets, pad_sequences
+from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss
 from opd.rollout import SamplingParams
 
 Sample = tuple[list[int], list[int]]  # (prompt ids, completion ids)

@@ -27,7 +27,7 @@ def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = 
     server at that URL), and its manifest (as a dict) by teacher name."""
     from transformers import AutoModelForCausalLM
 
-    from opd.expert.manifest import load_manifest, resolve_expert
+    from opd.manifest import load_manifest, resolve_expert
 
     paths = {n: resolve_expert(n) for n in names}
     # every tokenizer before any model loads
@@ -60,8 +60,7 @@ def init_student(run: DistillRun, teachers: dict[str, Teacher], manifests: dict[
     """The student's starting weights: the base, a model directory, or a weight-space merge of the teachers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.merge.methods import Candidate, merge_candidate
-    from opd.merge.recipe import merge_keys
+    from opd.weights.merge import Candidate, merge_candidate, merge_keys
 
     src = require_model_dir(run.base, "base", "set base= to a model directory") if run.student == "base" \
         else require_model_dir(run.student, "student", "give a model directory or 'base'")
@@ -99,7 +98,7 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         require_model_dir(run.student, "student", "give a model directory (e.g. runs/merge/<name>/best) or 'base'")
     wrap, rank, world, device = None, 0, 1, run.device
     if run.deepspeed is not None:
-        from opd.gspo.ds import deepspeed_wrap, init_distributed
+        from opd.rl.distributed import deepspeed_wrap, init_distributed
 
         rank, world = init_distributed()
         wrap = deepspeed_wrap(run.distill.grad_clip, run.deepspeed)

@@ -11,9 +11,9 @@ import torch
 from opd.capabilities import get_capability
 from opd.errors import OpdError
 from opd.evaluation.api import evaluate
-from opd.expert.manifest import EXPERTS_DIR, ExpertManifest, code_version
 from opd.expert.spec import ExpertSpec
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
+from opd.manifest import EXPERTS_DIR, ExpertManifest, code_version
 from opd.paths import history_dir, require_model_dir
 
 

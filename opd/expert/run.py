@@ -15,7 +15,7 @@ from rich.table import Table
 from opd.evaluation.api import evaluate
 from opd.expert.build import base_capabilities, default_out, load_base, write_expert
 from opd.expert.spec import ExpertSpec, same_spec
-from opd.gspo.trainer import train
+from opd.expert.trainer import train
 from opd.io import state_dict_hash, sweep_stale
 from opd.paths import check_output
 from opd.tracking import Tracker, open_tracker, tracking_dir
@@ -50,7 +50,7 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
 
     wrap = None
     if spec.deepspeed is not None:
-        from opd.gspo.ds import deepspeed_wrap
+        from opd.rl.distributed import deepspeed_wrap
 
         wrap = deepspeed_wrap(spec.gspo.grad_clip, spec.deepspeed)
 

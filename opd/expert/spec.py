@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
-from opd.gspo.ds import DeepSpeedFragment
 from opd.paths import NAME_PATTERN
+from opd.rl.distributed import DeepSpeedFragment
 from opd.tracking import REPORT_TO_HELP, ReportTo
 
 

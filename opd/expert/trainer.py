@@ -19,8 +19,9 @@ import torch
 from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.expert.spec import ExpertSpec, same_spec
-from opd.gspo.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
-from opd.gspo.ds import (
+from opd.io import atomic_torch_save, readable_checkpoints
+from opd.rl.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
+from opd.rl.distributed import (
     common_step,
     init_distributed,
     load_optimizer_state,
@@ -29,8 +30,7 @@ from opd.gspo.ds import (
     ranks_min,
     zero_checkpoint_globals,
 )
-from opd.gspo.loss import group_advantages, gspo_loss, truncated_is_weights
-from opd.io import atomic_torch_save, readable_checkpoints
+from opd.rl.gspo_loss import group_advantages, gspo_loss, truncated_is_weights
 from opd.rollout import SamplingParams, get_engine
 from opd.tracking import Tracker
 

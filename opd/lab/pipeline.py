@@ -85,7 +85,7 @@ def expert_jobs(recipe) -> dict[str, tuple[Path, Path | None]]:
     """Each of a recipe's experts as name -> (its spec experts/<name>.yaml, its output directory).
     An expert listed by name lands in the default experts/<name>/ (None); one listed as a path
     (experts/lab10/add) lands there, trained from the spec named by its last part."""
-    from opd.expert.manifest import EXPERTS_DIR
+    from opd.manifest import EXPERTS_DIR
 
     jobs = {}
     for entry in recipe.experts:

@@ -1,8 +1,8 @@
 """`python -m opd.merge export <run dir> <trial>`: one searched candidate as a mergekit YAML and the
 model mergekit's own `run_merge` builds from it, checked tensor for tensor against the search's merge.
 
-The export runs in a process that imported `opd.merge`, so opd's own methods (tsv_m, iso_c, iso_cts,
-regmean) are registered with mergekit; a plain `mergekit-yaml` does not know them.
+The export runs in a process that imported `opd.weights.merge`, so opd's own methods (tsv_m, iso_c,
+iso_cts, regmean) are registered with mergekit; a plain `mergekit-yaml` does not know them.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from opd.errors import OpdError
 
 def export_trial(run_dir: str | Path, number: int, out: str | Path | None = None, log=print) -> Path:
     """Write <out>/mergekit.yaml and the merged HF model in <out> (default <run>/export/trial-<n>);
-    returns <out>. Raises OpdError for a run without results, an unknown trial, or an OPD student."""
+    returns <out>. Raises OpdError for a run without results, an unknown trial, or a trial whose
+    strategy is not a merge (a distilled student)."""
     from safetensors.torch import load_file
 
     from opd.io import atomic_dir
-    from opd.merge.methods import get_strategy, merge_candidate, mergekit_config, run_mergekit
     from opd.merge.recipe import MergeRecipe, load_inputs
+    from opd.merge.strategies import get_strategy
     from opd.merge.trials import from_results
     from opd.paths import check_output
+    from opd.weights.merge import merge_candidate, mergekit_config, run_mergekit
 
     run_dir = Path(run_dir)
     try:
@@ -38,11 +40,8 @@ def export_trial(run_dir: str | Path, number: int, out: str | Path | None = None
         raise OpdError(f"trial {number}: not a finished trial of {run_dir} (finished: {have})")
     rec = from_results(trial)
     cand = rec.candidate
-    if not get_strategy(cand.strategy).weight_space:
-        run = number if rec.resume_of is None else rec.resume_of
-        student = run_dir / "opd" / f"trial-{run}" / "student.safetensors"
-        raise OpdError(f"trial {number} is a distilled student ({cand.strategy}), not a merge: its weights are "
-                       f"{student}")
+    # a trial that is not a merge (a distilled student) says where its weights are instead
+    get_strategy(cand.strategy).check_export(number, run_dir, number if rec.resume_of is None else rec.resume_of)
     recipe = MergeRecipe.model_validate(summary["recipe"])
     inputs = load_inputs(recipe)  # the same checks as the search: hashes, architecture, vocabulary
     base, experts = str(inputs.base_path), {e: str(p) for e, p in inputs.expert_paths.items()}

@@ -20,7 +20,9 @@ from pydantic import (
 from opd.config import load_yaml_model
 from opd.distill.config import DistillConfig
 from opd.errors import OpdError
+from opd.merge.strategies import MergeInputs, get_strategy
 from opd.paths import NAME_PATTERN, redact_url, require_model_dir, require_same_tokenizer
+from opd.weights.merge import merge_keys
 
 Scalar = bool | int | float | str
 
@@ -32,7 +34,7 @@ class Choices(BaseModel):
 
 class LayerRange(BaseModel):
     """A float parameter searched per layer group: the embeddings, `layer_groups` points over the
-    blocks, the head; it exports as mergekit's filtered, gradient-valued setting (opd.merge.layers)."""
+    blocks, the head; it exports as mergekit's filtered, gradient-valued setting (opd.weights.layers)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     range: tuple[float, float] = Field(description="[low, high] each group's value is drawn from")
@@ -151,7 +153,6 @@ class MergeRecipe(BaseModel):
     @model_validator(mode="after")
     def _check(self):
         from opd.capabilities import get_capability
-        from opd.merge.methods import get_strategy
 
         if self.split != "val":
             raise ValueError("the search scores on 'val' only: tuning on the test split would leak it "
@@ -206,34 +207,12 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> MergeRecipe:
     return load_yaml_model(path, MergeRecipe, "merge recipe", list(overrides), defaults={"name": Path(path).stem})
 
 
-class MergeInputs:
-    """A recipe's base and experts, loaded and checked compatible: the search's fixed inputs."""
-
-    def __init__(self, base_path: Path, base_model, tokenizer, base_hash: str,
-                 experts: dict[str, Path], manifests: dict, expert_sds: dict, capabilities: list[str]):
-        # A copy: base_model is the scorer's working model, its weights change with each candidate.
-        self.base_sd = {k: v.detach().clone() for k, v in merge_keys(base_model.state_dict()).items()}
-        self.base_path, self.base_model, self.tokenizer, self.base_hash = base_path, base_model, tokenizer, base_hash
-        self.expert_paths, self.manifests, self.expert_sds = experts, manifests, expert_sds
-        self.capabilities = capabilities
-
-
-def merge_keys(sd: dict) -> dict:
-    """Drop tied aliases (lm_head sharing the embedding): mergekit merges each stored tensor once."""
-    seen, out = set(), {}
-    for k, t in sd.items():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            out[k] = t
-    return out
-
-
 def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     """Load base and experts; refuse incompatible ones (base hash, architecture, shapes, vocab)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from opd.expert.manifest import load_manifest, resolve_expert
     from opd.io import state_dict_hash
+    from opd.manifest import load_manifest, resolve_expert
 
     # absolute: mergekit reads a relative path that is not a directory as a hub model id
     base_path = require_model_dir(recipe.base, "base", "build it with scripts/build_base.py or set base= to a "

@@ -15,7 +15,7 @@ from opd.io import atomic_dir, atomic_write_json, atomic_write_text, state_dict_
 from opd.merge import trials
 from opd.merge.history import what_changed_md
 from opd.merge.interference import as_table
-from opd.merge.methods import get_strategy, mergekit_config
+from opd.merge.strategies import BuildContext, get_strategy
 
 
 class LiveBoard:
@@ -376,45 +376,26 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, default=str)
 
 
-# opd's own mergekit methods (opd.merge.subspace, opd.merge.regmean): registered when opd.merge is imported
-OPD_METHODS = ("tsv_m", "iso_c", "iso_cts", "regmean")
-
-
 def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
-    """The best merge as an HF model dir with a model card, its mergekit YAML and provenance."""
+    """The best candidate as an HF model dir with a model card, the recipe that made it (its strategy
+    says which: a mergekit YAML, a distillation's settings) and provenance."""
     model = inputs.base_model
     model.load_state_dict(sd, strict=False)
     final = recipe.out_dir / "best"
     paths = {e: str(Path(p).resolve()) for e, p in inputs.expert_paths.items()}
     label = summary["best"]
-    distilled = not get_strategy(cand.strategy).weight_space
-    if distilled:
-        # A student is not a function of the inputs' weights alone: record how it was trained.
-        init = next((t.get("opd_init") for t in summary["trials"] if t["number"] == summary["final"][label]["trial"]),
-                    None)
-        doc = {"opd": cand.model_dump(mode="json"), "distill": recipe.distill.model_dump(mode="json"),
-               "init": mergekit_config(type(cand).model_validate(init), str(Path(inputs.base_path).resolve()), paths)
-               if init else "base"}
-        how = (f"by on-policy distillation (`{cand.strategy}`) from the experts as teachers; "
-               f"`distill.yaml` records the settings and the student's initial merge")
-        recipe_file, reproduce = "distill.yaml", "Rerun the recipe (`python -m opd.merge --recipe ...`) to retrain it:"
-    else:
-        doc = mergekit_config(cand, str(Path(inputs.base_path).resolve()), paths)
-        how = f"with mergekit's `{cand.strategy}`"
-        recipe_file = "mergekit.yaml"
-        trial = summary["final"][label]["trial"]
-        reproduce = (f"Reproduce the weights with `mergekit-yaml mergekit.yaml OUT --random-seed {cand.seed}`:"
-                     if cand.strategy not in OPD_METHODS else
-                     f"`{cand.strategy}` is opd's own mergekit method, which a plain `mergekit-yaml` does not know: "
-                     f"reproduce the weights with `python -m opd.merge export {recipe.out_dir} {trial}`, which runs "
-                     "mergekit's `run_merge` on this YAML with opd's methods registered:")
+    trial = summary["final"][label]["trial"]
+    init = next((trials.from_results(t).opd_init for t in summary["trials"] if t["number"] == trial), None)
+    ctx = BuildContext(recipe.distill, recipe.out_dir, recipe.name, init, trial)
+    card = get_strategy(cand.strategy).card(cand, str(Path(inputs.base_path).resolve()), paths, ctx)
+    doc, recipe_file, how, reproduce = card.recipe, card.recipe_file, card.how, card.reproduce
     rows = [c for c in summary["matrix"]["test"] if c["candidate"] == label]
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp)
         inputs.tokenizer.save_pretrained(tmp)
         (tmp / recipe_file).write_text(yaml.safe_dump(doc, sort_keys=False))
         atomic_write_json(tmp / "manifest.json", {
-            "kind": "distilled" if distilled else "merged", "name": recipe.name, "candidate": cand.model_dump(mode="json"),
+            "kind": card.kind, "name": recipe.name, "candidate": cand.model_dump(mode="json"),
             "content_hash": state_dict_hash(model), "inputs": summary["inputs"], "recipe": summary["recipe"],
             "metrics": {"test": {c["capability"]: {k: c[k] for k in ("score", "stderr", "n", "retention")}
                                  for c in rows}},
@@ -426,11 +407,11 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
             "base_model": [summary["inputs"]["base"]["path"],
                            *(e["path"] for e in summary["inputs"]["experts"].values())],
             "library_name": "transformers",
-            "tags": ["merge", "mergekit", "opd", *(["distillation"] if distilled else [])],
+            "tags": ["merge", "mergekit", "opd", *card.tags],
         }, sort_keys=False)
         (tmp / "README.md").write_text(f"""---
 {front}---
-# {recipe.name}: {"distilled" if distilled else "merged"} model
+# {recipe.name}: {card.kind} model
 
 Merged by opd from the base `{summary['inputs']['base']['path']}` ({summary['inputs']['base']['content_hash']})
 and the experts {', '.join(f"`{e}`" for e in summary['inputs']['experts'])}, {how}.

@@ -1,4 +1,4 @@
-"""The merge search: an Optuna study over mergekit strategies, scored in-process, cheap first.
+"""The merge search: an Optuna study over strategies (opd.merge.strategies), scored in-process, cheap first.
 
 `run_recipe(recipe)` is the whole run: load and check inputs, score the references, search
 (resumable from the study's storage), re-score the Pareto set on test, write the report and
@@ -32,11 +32,12 @@ from opd.merge.interference import (
     retention,
     to_records,
 )
-from opd.merge.layers import LayerValues
-from opd.merge.methods import STAGES, BuildContext, Candidate, Strategy, check_inputs, get_strategy
-from opd.merge.recipe import Choices, LayerRange, MergeInputs, MergeRecipe, load_inputs
+from opd.merge.recipe import Choices, LayerRange, MergeRecipe, load_inputs
+from opd.merge.strategies import SEARCH_STAGE, BuildContext, MergeInputs, get_strategy, stages
 from opd.merge.weightspace import weightspace_interference
 from opd.paths import check_output, redact_url
+from opd.weights.layers import LayerValues
+from opd.weights.merge import Candidate
 
 # What an existing run directory of a merge recipe holds (one of them at least).
 RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", "opd", "lab_stages.json")
@@ -130,7 +131,7 @@ def open_strategies(trial: optuna.Trial, recipe: MergeRecipe) -> list[str]:
 
 
 def merges_ready(study: optuna.Study, recipe: MergeRecipe) -> bool:
-    """Whether a strategy that starts from the best merge so far (merge_opd) may run: once a
+    """Whether a strategy that starts from the best merge so far (`waits_for_merges`) may run: once a
     weight-space candidate was scored on full val and half of budget.n_trials have finished, so its
     student starts from a searched merge rather than the first one (or the base)."""
     done = finished(study)
@@ -377,8 +378,8 @@ def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = Non
                 return {c: s.score for c, s in evaluate(m, inputs.tokenizer, inputs.capabilities, "val",
                                                         limit=recipe.distill.eval_limit,
                                                         batch_size=recipe.eval_batch_size).items()}
-        ctx = BuildContext(recipe, trials.read(trial).opd_init, run_number(trial), evaluate_fn,
-                           {c: refs.val[c] for c in refs.counted or refs.val} if refs else None, live)
+        ctx = BuildContext(recipe.distill, recipe.out_dir, recipe.name, trials.read(trial).opd_init, run_number(trial),
+                           evaluate_fn, {c: refs.val[c] for c in refs.counted or refs.val} if refs else None, live)
     sd, record = get_strategy(cand.strategy).build(inputs, cand, ctx)
     if record and isinstance(trial, optuna.Trial):
         trials.update(trial, **record)
@@ -436,13 +437,13 @@ def _stage_minutes(recipe: MergeRecipe, study, refs_s: float, search_s: float, f
         lab = json.loads((recipe.out_dir / "lab_stages.json").read_text())
     except (OSError, ValueError):
         lab = {}
-    spent = dict.fromkeys(STAGES, 0.0)  # each strategy's trials count towards its stage
+    spent = dict.fromkeys(stages(), 0.0)  # each strategy's trials count towards its stage
     for t in finished(study):
         cand = trials.read(t).candidate
         if t.duration is not None and cand is not None:
             spent[get_strategy(cand.strategy).stage] += t.duration.total_seconds()
     # the rest of the search's time (sampling, screening, bookkeeping) is the weight-space search's
-    spent[Strategy.stage] = max(0.0, search_s - sum(v for k, v in spent.items() if k != Strategy.stage))
+    spent[SEARCH_STAGE] = max(0.0, search_s - sum(v for k, v in spent.items() if k != SEARCH_STAGE))
     return {**{k: float(v) for k, v in lab.items()}, "reference scoring": refs_s / 60,
             **{k: v / 60 for k, v in spent.items()}, "test scoring": final_s / 60}
 
@@ -484,7 +485,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     check_output(recipe.out_dir, "out", markers=RUN_DIR_MARKERS)
     inputs = load_inputs(recipe)
     for name in recipe.strategies:
-        check_inputs(get_strategy(name), len(inputs.expert_paths))
+        get_strategy(name).check_inputs(len(inputs.expert_paths))
     hashes = {e: m.content_hash for e, m in inputs.manifests.items()}
     name = history.study_name(recipe, inputs.base_hash, hashes)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)

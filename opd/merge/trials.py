@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opd.merge.methods import Candidate
+from opd.weights.merge import Candidate
 
 KEY = "record"
 

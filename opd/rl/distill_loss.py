@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from opd.gspo.loss import masked_mean
+from opd.rl.gspo_loss import masked_mean
 
 
 def mix_teacher_logprobs(teacher_lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

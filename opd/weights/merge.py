@@ -1,26 +1,19 @@
-"""Merge strategies: mergekit's methods, keyed by mergekit's name, run in memory or as a YAML
-(mergekit's own, plus opd's subspace methods `tsv_m`, `iso_c`, `iso_cts` from opd.merge.subspace
-and the data-aware `regmean` from opd.merge.regmean, registered with mergekit when this module is
-imported: a separate `mergekit-yaml` process does not know them, `run_mergekit` here does);
-and on-policy distillation (OPD) strategies that train a student from the experts as teachers.
+"""Weight-space merges of a base and its experts with mergekit, in memory or as a YAML.
 
-A candidate is one method plus concrete parameters. The same candidate becomes either an
-in-memory `mergekit.merge_methods.merge_state_dicts` call (the search's fast path) or a
-mergekit YAML that `mergekit-yaml` / `run_merge` reproduces tensor for tensor.
+A candidate (`Candidate`) names a merge method and its concrete parameters. The same candidate
+becomes either an in-memory `mergekit.merge_methods.merge_state_dicts` call (the search's fast path)
+or a mergekit YAML that `mergekit-yaml` / `run_merge` reproduces tensor for tensor.
 
-OPD strategies (`DistillStrategy`, trained by `opd.distill.strategy`): `opd` (student from the base),
-`merge_opd` (student from the best weight-space candidate the search has scored so far) and a
-registered `<method>+opd` hybrid per method (student from that method's merge, whose parameters are
-searched with the OPD settings).
-
-Every strategy is one object in `STRATEGIES` with one interface (`Strategy`): the search asks it
-whether it waits for merges, what it records before building, how it builds weights (`build`) and
-whether a killed trial resumes; it never branches on a strategy's name or kind.
+The methods are mergekit's own and opd's: the subspace merges `tsv_m`, `iso_c`, `iso_cts`
+(opd.weights.subspace) and the data-aware `regmean` (opd.weights.regmean), registered with mergekit
+when this module is imported: a separate `mergekit-yaml` process does not know them, `run_mergekit`
+here does. The search's strategies (opd.merge.strategies) and a distillation student started from
+a merge (opd.distill.run) both merge through here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
@@ -29,179 +22,69 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
-from opd.merge.layers import LayerLayout, LayerValues, layout_for, resolve, setting
+from opd.weights import regmean, subspace
+from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
-# "pair" (exactly two models; the first is mergekit's base_model).
-_INPUTS = {
+# "pair" (exactly two models; the first is mergekit's base_model). Methods left out (passthrough)
+# stack layers rather than consolidate experts.
+METHOD_INPUTS = {
     "linear": "experts", "karcher": "experts",
     "task_arithmetic": "base+experts", "ties": "base+experts", "dare_ties": "base+experts",
     "dare_linear": "base+experts", "della": "base+experts", "della_linear": "base+experts",
     "breadcrumbs": "base+experts", "breadcrumbs_ties": "base+experts", "model_stock": "base+experts",
     "sce": "base+experts", "ram": "base+experts", "ramplus_tl": "base+experts",
     "nuslerp": "base+experts",
-    "tsv_m": "base+experts", "iso_c": "base+experts", "iso_cts": "base+experts",  # opd.merge.subspace
-    "regmean": "experts",  # opd.merge.regmean
+    "tsv_m": "base+experts", "iso_c": "base+experts", "iso_cts": "base+experts",  # opd.weights.subspace
+    "regmean": "experts",  # opd.weights.regmean
     "slerp": "pair", "nearswap": "pair", "arcee_fusion": "pair",
 }
 # Methods whose result depends on torch's global RNG (DARE's random drop, DELLA's sampling).
 RANDOM_METHODS = {"dare_ties", "dare_linear", "della", "della_linear"}
 # Required per-model parameters get a neutral value when a recipe leaves them out.
 _REQUIRED_DEFAULTS = {"weight": 1.0}
+# opd's own methods: registered with mergekit here, so that both merge paths find them.
+OPD_METHODS = tuple(m.spec.name for m in (*subspace.METHODS, *regmean.METHODS))
+subspace.register_methods()
+regmean.register_methods()
 
 
 @dataclass(frozen=True)
-class Strategy:
-    """A strategy as the search sees it: its inputs, its searchable parameters, and how it turns a
-    candidate into weights (`build`). The search and report ask these methods, never the name."""
+class Method:
+    """A merge method as mergekit declares it: the models it takes and its parameters."""
 
     name: str
-    inputs: str
+    inputs: str  # METHOD_INPUTS
     shared: dict[str, Any]  # parameter -> mergekit default (None when required)
     per_model: dict[str, Any]
     pretty: str
-    # OPD strategies: the distillation settings they take, and how the student starts ("base",
-    # "best", or a mergekit method's name for a hybrid). None for plain weight-space methods.
-    distill_shared: dict[str, Any] | None = None
-    init: str | None = None
-    # DistillConfig settings that define the strategy itself (not searchable), e.g. GSPO's kl_weight 0
-    distill_fixed: dict[str, Any] | None = None
-    # The float parameters a recipe may search per layer group (opd.merge.layers)
-    layerwise: frozenset[str] = frozenset()
-
-    @property
-    def distill(self) -> bool:
-        return self.distill_shared is not None
-
-    @property
-    def parameters(self) -> list[str]:
-        return list(self.shared) + list(self.per_model)
-
-    # What the search asks of every strategy (a weight-space merge's answers here; OPD overrides).
-    weight_space = True  # its weights are a mergekit merge of the inputs (it exports as a YAML)
-    waits_for_merges = False  # it starts from the search's best merge, so it waits for one
-    resumable = False  # a killed trial is queued again with its record (its run resumes)
-    stage = "merge search"  # the report's stage its trials' minutes count towards
-
-    def merge_part(self, cand: Candidate) -> Candidate | None:
-        """The weight-space candidate its weights are or start from (None: the base or the best)."""
-        return cand
-
-    def check_inputs(self, n_experts: int) -> None:
-        """Refuse a method that cannot take this many experts, before any work is done."""
-        from mergekit import merge_methods as mm
-
-        ids = [f"e{i}" for i in range(n_experts)]
-        if self.inputs == "pair":
-            if n_experts not in (1, 2):
-                raise OpdError(f"strategy {self.name!r} merges exactly two models (base + 1 expert, or 2 experts);"
-                               f" the recipe has {n_experts} experts")
-            return
-        base = BASE_ID if self.inputs == "base+experts" else None
-        try:
-            mm.get(self.name).spec.contract.validate_ids(ids + ([BASE_ID] if base else []), base)
-        except ValueError as e:
-            raise OpdError(f"strategy {self.name!r} cannot merge {n_experts} experts: {e}") from None
-
-    def check_params(self, params: dict[str, Any], distill) -> None:
-        """Refuse (ValueError) fixed parameters that cannot work with the recipe's `distill` block."""
-
-    def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
-        """Trial-record fields to set before the first build (`best_merge`: the search's best so far)."""
-        return {}
-
-    def build(self, inputs, cand: Candidate, ctx: BuildContext | None = None) -> tuple[dict, dict[str, Any]]:
-        """(weights, trial-record fields) of the candidate; a merge needs no context."""
-        paths = {e: str(p) for e, p in inputs.expert_paths.items()}
-        return merge_candidate(cand, str(inputs.base_path), paths, inputs.base_sd, inputs.expert_sds), {}
+    floats: frozenset[str]  # the float parameters, which may take a value per layer group
+    native: bool  # shipped with mergekit (a plain `mergekit-yaml` runs it), not one of opd's own
 
 
-@dataclass(frozen=True)
-class BuildContext:
-    """What a trained strategy needs beyond its inputs: the recipe, its trial's record (`opd_init`),
-    the trial number its run directory is named by, and the scorer for keep-best checks."""
+def methods() -> list[Method]:
+    """Every method opd merges with, in mergekit's registration order (its own, then opd's)."""
+    from mergekit import merge_methods as mm
 
-    recipe: Any
-    opd_init: Candidate | None
-    number: int
-    evaluate_fn: Callable | None = None
-    references: dict[str, float] | None = None
-    live: bool = False  # show the student's bars in the live display (opd.display)
+    return [method(m.spec.name) for m in mm.registered_methods() if m.spec.name in METHOD_INPUTS]
 
 
-@dataclass(frozen=True)
-class DistillStrategy(Strategy):
-    """OPD (and its off-policy and GSPO baselines): a student trained from the experts as teachers,
-    starting from the base, the search's best merge, or a mergekit method's merge (a hybrid)."""
-
-    weight_space = False
-    resumable = True
-    stage = "OPD"
-
-    @property
-    def waits_for_merges(self) -> bool:
-        return self.init == "best"
-
-    def merge_part(self, cand: Candidate) -> Candidate | None:
-        if self.init in ("base", "best"):
-            return None
-        method = get_strategy(self.init)
-        return Candidate(strategy=method.name, shared={k: v for k, v in cand.shared.items() if k in method.shared},
-                         per_model={e: {k: v for k, v in ps.items() if k in method.per_model}
-                                    for e, ps in cand.per_model.items()}, seed=cand.seed)
-
-    def check_inputs(self, n_experts: int) -> None:
-        if self.init not in ("base", "best"):
-            get_strategy(self.init).check_inputs(n_experts)
-
-    def check_params(self, params: dict[str, Any], distill) -> None:
-        from pydantic import ValidationError
-
-        fixed = {p: v for p, v in params.items() if p in self.distill_shared and isinstance(v, bool | int | float | str)}
-        try:
-            type(distill).model_validate({**distill.model_dump(), **fixed, **(self.distill_fixed or {})})
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ValueError(f"strategy {self.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-
-    def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
-        init = self.merge_part(cand)
-        return {"opd_init": best_merge() if init is None and self.init == "best" else init}
-
-    def build(self, inputs, cand: Candidate, ctx: BuildContext | None = None) -> tuple[dict, dict[str, Any]]:
-        from opd.distill.strategy import opd_student
-
-        if ctx is None:
-            raise ValueError(f"strategy {cand.strategy!r} trains a student: build() needs its trial's context")
-        init = ctx.opd_init
-        init_sd = get_strategy(init.strategy).build(inputs, init)[0] if init else inputs.base_sd
-        sd, history = opd_student(inputs, cand, ctx.recipe, init_sd, ctx.recipe.out_dir / "opd" / f"trial-{ctx.number}",
-                                  evaluate_fn=ctx.evaluate_fn, references=ctx.references, live=ctx.live)
-        return sd, {"opd_history": history}
-
-
-def _build_registry() -> dict[str, Strategy]:
+@functools.cache
+def method(name: str) -> Method:
     from mergekit import merge_methods as mm
     from mergekit.merge_methods.base import ParameterScope
 
-    from opd.merge import regmean, subspace
-
-    subspace.register_methods()  # opd's own mergekit methods, so both paths find them
-    regmean.register_methods()
-    out = {}
-    for method in mm.registered_methods():
-        spec = method.spec
-        if spec.name not in _INPUTS:
-            continue  # passthrough stacks layers, it does not consolidate experts
-        shared, per_model = {}, {}
-        for p in spec.parameters:
-            default = None if p.required else p.default
-            (shared if p.scope == ParameterScope.SHARED else per_model)[p.name] = default
-        floats = frozenset(p.name for p in spec.parameters if _is_float(p.value_type))
-        out[spec.name] = Strategy(spec.name, _INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name,
-                                  layerwise=floats)
-    return out
+    if name not in METHOD_INPUTS:
+        raise OpdError(f"{name!r} is not a weight-space merge method; the methods are {sorted(METHOD_INPUTS)}")
+    spec = mm.get(name).spec
+    shared, per_model = {}, {}
+    for p in spec.parameters:
+        default = None if p.required else p.default
+        (shared if p.scope == ParameterScope.SHARED else per_model)[p.name] = default
+    floats = frozenset(p.name for p in spec.parameters if _is_float(p.value_type))
+    return Method(spec.name, METHOD_INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name, floats,
+                  spec.name not in OPD_METHODS)
 
 
 def _is_float(value_type) -> bool:
@@ -211,72 +94,14 @@ def _is_float(value_type) -> bool:
     return value_type is float
 
 
-STRATEGIES: dict[str, Strategy] = _build_registry()
-# The DistillConfig fields an OPD strategy searches (defaults: the recipe's `distill` block), and
-# its per-teacher weight: the teacher's share of its capability's KL target and of the prompts.
-OPD_SHARED = {"steps": 50, "lr": 3e-4, "estimator": "sampled", "reward_weight": 0.0, "temperature": 1.0,
-              "prompts_per_step": 16, "group_size": 4, "updates_per_batch": 1, "lr_schedule": "constant",
-              "adaptive_mix": 0.0, "kl_weight": 1.0, "warmstart_steps": 0, "warmstart_prompts": 256,
-              "warmstart_lr": 1e-3}
-OPD_PER_MODEL = {"teacher_weight": 1.0}
-HYBRID_SUFFIX = "+opd"
-_OPD = (dict(OPD_SHARED), dict(OPD_PER_MODEL))
-STRATEGIES["opd"] = DistillStrategy("opd", "distill", *_OPD, "OPD from the base", dict(OPD_SHARED), "base")
-STRATEGIES["merge_opd"] = DistillStrategy("merge_opd", "distill", *_OPD, "OPD from the best merge so far",
-                                          dict(OPD_SHARED), "best")
-# What a user would do instead of OPD, run by the same loop so that tokens and minutes compare:
-# supervised training on teacher samples the verifier accepts (off-policy distillation, no
-# on-policy steps), and multi-task GSPO from the base on verifier rewards alone (no teacher).
-STRATEGIES["offpolicy"] = DistillStrategy("offpolicy", "distill", *_OPD,
-                                          "off-policy distillation (SFT on verified teacher samples)",
-                                          dict(OPD_SHARED), "base", {"steps": 0})
-STRATEGIES["gspo"] = DistillStrategy("gspo", "distill", *_OPD, "multi-task GSPO on verifier rewards",
-                                     dict(OPD_SHARED), "base", {"kl_weight": 0.0, "reward_weight": 1.0,
-                                                                "warmstart_steps": 0})
-# `<method>+opd`: OPD from that method's merge, its parameters searched with the OPD settings.
-HYBRIDS = {f"{m.name}{HYBRID_SUFFIX}": DistillStrategy(
-    f"{m.name}{HYBRID_SUFFIX}", m.inputs, {**m.shared, **OPD_SHARED}, {**m.per_model, **OPD_PER_MODEL},
-    f"OPD from {m.pretty}", dict(OPD_SHARED), m.name, layerwise=m.layerwise)
-    for m in list(STRATEGIES.values()) if m.weight_space}
-STRATEGIES.update(HYBRIDS)
-# The report's stages that strategies' trial minutes count towards, in order ("merge search" first).
-STAGES = list(dict.fromkeys([Strategy.stage, *(s.stage for s in STRATEGIES.values())]))
-
-
-def get_strategy(name: str) -> Strategy:
-    if name not in STRATEGIES:
-        raise OpdError(f"merge strategy {name!r} is unknown; strategies opd can search: "
-                       f"{sorted(n for n in STRATEGIES if n not in HYBRIDS)} and '<method>{HYBRID_SUFFIX}' "
-                       "hybrids of a mergekit method with OPD")
-    return STRATEGIES[name]
-
-
-def merge_part(cand: Candidate) -> Candidate | None:
-    """The weight-space candidate a strategy starts from: itself for a mergekit method, the merge
-    half of a `<method>+opd` hybrid, None for OPD from the base or from the search's best."""
-    return get_strategy(cand.strategy).merge_part(cand)
-
-
-def distill_part(cand: Candidate) -> tuple[dict[str, Any], dict[str, float]]:
-    """An OPD candidate's DistillConfig settings and its teacher weights (expert -> weight)."""
-    strategy = get_strategy(cand.strategy)
-    settings = {k: v for k, v in cand.shared.items() if k in (strategy.distill_shared or {})}
-    settings.update(strategy.distill_fixed or {})
-    weights = {e: float(ps["teacher_weight"]) for e, ps in cand.per_model.items() if "teacher_weight" in ps}
-    return settings, weights
-
-
-def check_inputs(strategy: Strategy, n_experts: int) -> None:
-    """Refuse a method that cannot take this many experts, before any work is done."""
-    strategy.check_inputs(n_experts)
-
-
-# A parameter's value: a scalar, or one value per layer group (opd.merge.layers).
+# A parameter's value: a scalar, or one value per layer group (opd.weights.layers).
 Value = LayerValues | bool | int | float | str
 
 
 class Candidate(BaseModel):
-    """One point of the search space: a method, its shared parameters, per-expert parameters."""
+    """One point of the search space: a strategy, its shared parameters, per-expert parameters. The
+    functions here take a merge method's; the search's other strategies (OPD, opd.merge.strategies)
+    use the same shape, and name the merge they start from with one."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     strategy: str
@@ -297,12 +122,11 @@ class Candidate(BaseModel):
         return f"{self.strategy}(" + " ".join(parts) + ")"
 
 
-def _weight_space(cand: Candidate) -> Candidate:
-    part = merge_part(cand)
-    if part is None:
-        raise OpdError(f"strategy {cand.strategy!r} trains a student from the base or the search's best merge: "
-                       "it has no mergekit form")
-    return part
+def _method(cand: Candidate) -> Method:
+    if cand.strategy not in METHOD_INPUTS:
+        raise OpdError(f"strategy {cand.strategy!r} is not a weight-space merge method: it has no mergekit form "
+                       f"(the methods are {sorted(METHOD_INPUTS)})")
+    return method(cand.strategy)
 
 
 def _fmt(v):
@@ -311,19 +135,19 @@ def _fmt(v):
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def _layout(strategy: Strategy, experts: list[str]) -> tuple[list[str], str | None]:
+def _layout(m: Method, experts: list[str]) -> tuple[list[str], str | None]:
     """(input ids in order, base id) as mergekit sees them."""
-    if strategy.inputs == "experts":
+    if m.inputs == "experts":
         return list(experts), None
-    if strategy.inputs == "pair" and len(experts) == 2:
+    if m.inputs == "pair" and len(experts) == 2:
         return list(experts), experts[0]
     return [BASE_ID, *experts], BASE_ID
 
 
-def _per_model_params(cand: Candidate, strategy: Strategy, experts: list[str], ids: list[str], base: str | None):
+def _per_model_params(cand: Candidate, m: Method, experts: list[str], base: str | None):
     """{param: {id: value}}; the pair methods' base model takes no per-model values."""
     out = {}
-    for p in strategy.per_model:
+    for p in m.per_model:
         vals = {e: cand.per_model.get(e, {}).get(p, _REQUIRED_DEFAULTS.get(p)) for e in experts if e != base}
         vals = {e: v for e, v in vals.items() if v is not None}
         if vals:
@@ -335,29 +159,28 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
                     expert_sds: dict[str, dict[str, torch.Tensor]],
                     layers: LayerLayout | None = None) -> dict[str, torch.Tensor]:
     """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML.
-    A layer-wise candidate needs the models' `layers` (opd.merge.layers.layout_for)."""
+    A layer-wise candidate needs the models' `layers` (opd.weights.layers.layout_for)."""
     from mergekit.merge_methods import merge_state_dicts
 
-    cand = _weight_space(cand)
-    strategy = get_strategy(cand.strategy)
+    m = _method(cand)
     experts = list(expert_sds)
-    ids, base = _layout(strategy, experts)
+    ids, base = _layout(m, experts)
     models = {i: (base_sd if i == BASE_ID else expert_sds[i]) for i in ids}
-    params = {**cand.shared, **_per_model_params(cand, strategy, experts, ids, base)}
+    params = {**cand.shared, **_per_model_params(cand, m, experts, base)}
     if cand.layerwise:
-        params = _per_tensor(params, strategy.name, list(models[ids[0]]), layers)
+        params = _per_tensor(params, m.name, list(models[ids[0]]), layers)
     torch.manual_seed(cand.seed)
     with torch.no_grad():
-        return merge_state_dicts(models, strategy.name, parameters=params, base=base)
+        return merge_state_dicts(models, m.name, parameters=params, base=base)
 
 
-def _per_tensor(params: dict[str, Any], method: str, names: list[str], layers: LayerLayout | None) -> dict:
+def _per_tensor(params: dict[str, Any], name: str, names: list[str], layers: LayerLayout | None) -> dict:
     """Layer-wise values resolved tensor by tensor (mergekit's PerGroupValues, one per state-dict
     tensor in order) with the same mergekit function and gradient position as `run_merge`."""
     from mergekit import merge_methods as mm
     from mergekit.merge_methods import PerGroupValues
 
-    validate = {p.name: p.validate for p in mm.get(method).spec.parameters}
+    validate = {p.name: p.validate for p in mm.get(name).spec.parameters}
     out = {}
     for p, v in params.items():
         if isinstance(v, LayerValues):
@@ -374,14 +197,12 @@ def _as_setting(value: Any, base_path: str) -> Any:
 
 
 def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str]) -> dict:
-    """The candidate as a mergekit YAML document (run it with `mergekit-yaml --random-seed <seed>`);
-    for a `<method>+opd` hybrid, the YAML of the merge its student starts from."""
-    cand = _weight_space(cand)
-    strategy = get_strategy(cand.strategy)
+    """The candidate as a mergekit YAML document (run it with `mergekit-yaml --random-seed <seed>`)."""
+    m = _method(cand)
     experts = list(expert_paths)
-    ids, base = _layout(strategy, experts)
+    ids, base = _layout(m, experts)
     paths = {BASE_ID: base_path, **expert_paths}
-    per = _per_model_params(cand, strategy, experts, ids, base)
+    per = _per_model_params(cand, m, experts, base)
     models = []
     for i in ids:
         entry: dict[str, Any] = {"model": paths[i]}
@@ -389,7 +210,7 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
         if ps:
             entry["parameters"] = ps
         models.append(entry)
-    doc: dict[str, Any] = {"merge_method": strategy.name, "models": models, "dtype": "float32"}
+    doc: dict[str, Any] = {"merge_method": m.name, "models": models, "dtype": "float32"}
     if base is not None:
         doc["base_model"] = paths[base]
     if cand.shared:
@@ -410,7 +231,7 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     tensor in mergekit's own schedule order, which the in-memory batching does not follow, so
     they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
     """
-    cand = _weight_space(cand)
+    _method(cand)
     _prepare(cand.strategy, expert_paths, cand.shared)
     if cand.strategy not in RANDOM_METHODS:
         return merge_in_memory(cand, base_sd, expert_sds, layout_for(base_path) if cand.layerwise else None)
@@ -441,7 +262,15 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
 
 def _prepare(method: str, paths: dict[str, str], shared: dict | None) -> None:
     """Data-aware methods (RegMean's Gram matrices) read their inputs' directories before merging."""
-    from opd.merge.regmean import PREPARE
+    if method in regmean.PREPARE:
+        regmean.PREPARE[method](paths, shared or {})
 
-    if method in PREPARE:
-        PREPARE[method](paths, shared or {})
+
+def merge_keys(sd: dict) -> dict:
+    """Drop tied aliases (lm_head sharing the embedding): mergekit merges each stored tensor once."""
+    seen, out = set(), {}
+    for k, t in sd.items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[k] = t
+    return out

@@ -28,7 +28,7 @@ is the mean over the prompts' tokens, so an expert whose prompts are longer does
 They are cached per (expert content hash, prompts) for the life of the process, so a search
 computes them once per expert. mergekit methods see tensors, not data: `prepare(paths, prompts)`
 computes (or finds) the Grams and binds them to the merge inputs' ids (expert names for the
-in-memory merge, model paths for `run_merge`); `opd.merge.methods` calls it before either path
+in-memory merge, model paths for `run_merge`); `opd.weights.merge` calls it before either path
 merges, and the method refuses, naming the input, when a Gram is missing.
 """
 
@@ -170,7 +170,7 @@ def expert_grams(path: str | Path, prompts: int = PROMPTS) -> dict[str, Tensor]:
 def _ensure(path: str | Path, prompts: int) -> tuple:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.expert.manifest import load_manifest
+    from opd.manifest import load_manifest
 
     manifest = load_manifest(path)
     key = (manifest.content_hash, manifest.capability, prompts, DATA_SEED)
@@ -202,8 +202,8 @@ def _gram(input_id: Hashable, prompts: int, name: str) -> Tensor | None:
     key = _BOUND.get((_input_key(input_id), prompts))
     if key is None:
         raise OpdError(f"regmean: no Gram matrices for merge input {_input_key(input_id)!r} (prompts={prompts}); "
-                       "opd computes them from the expert's directory before merging (opd.merge.regmean.prepare, "
-                       "called by opd.merge.methods.merge_candidate and run_mergekit); a plain mergekit-yaml cannot")
+                       "opd computes them from the expert's directory before merging (opd.weights.regmean.prepare, "
+                       "called by opd.weights.merge.merge_candidate and run_mergekit); a plain mergekit-yaml cannot")
     return _CACHE[key].get(name)
 
 
