@@ -41,25 +41,26 @@ def pretrained_lab_model(capability: str, hidden: int, layers: int, steps: int):
     return pretrain_pico(capability, steps, shape)
 
 
-def opd_spec(args):
-    from opd.expert.spec import ExpertSpec
+def opd_settings(args):
+    """The GSPO loop's settings and run settings (no expert spec: the model is in memory)."""
+    from opd.expert.settings import GSPOConfig, GSPORun
 
-    return ExpertSpec(capability=args.capability, base="(in memory)", steps=args.steps, seed=args.seed,
-                      eval_every=10**6, checkpoint_every=10**6, max_minutes=10**6, threads=args.threads,
-                      gspo={"prompts_per_step": args.prompts, "group_size": args.group,
-                            "updates_per_batch": args.updates, "lr": args.lr, "eps_low": args.eps_low,
-                            "eps_high": args.eps_high, "max_new_tokens": args.max_new_tokens,
-                            "drop_zero_variance": False, "min_informative": 0.0, "max_resample": 0})
+    gspo = GSPOConfig(prompts_per_step=args.prompts, group_size=args.group, updates_per_batch=args.updates,
+                      lr=args.lr, eps_low=args.eps_low, eps_high=args.eps_high, max_new_tokens=args.max_new_tokens,
+                      drop_zero_variance=False, min_informative=0.0, max_resample=0)
+    run = GSPORun(name=args.capability, capability=args.capability, steps=args.steps, seed=args.seed,
+                  eval_every=10**6, checkpoint_every=10**6, max_minutes=10**6)
+    return gspo, run
 
 
 def run_opd(model, tok, args) -> dict:
     """opd's own loop (`opd.expert.trainer.train`) with screening and checkpoints out of the way."""
     from opd.expert.trainer import train
 
-    spec = opd_spec(args)
+    gspo, run = opd_settings(args)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        state = train(spec, model, tok, Path(d) / "state.pt", evaluate_fn=lambda m: 0.0, log=lambda *_: None)
+        state = train(gspo, run, model, tok, Path(d) / "state.pt", evaluate_fn=lambda m: 0.0, log=lambda *_: None)
         seconds = time.perf_counter() - t0
     # trained_tokens counts each completion token once per update pass over the batch
     tokens = sum(r["trained_tokens"] / args.updates for r in state.history)
@@ -77,9 +78,9 @@ def run_trl(model, tok, args) -> dict:
     cap = get_capability(args.capability)
     verifier = get_reward("verifier")
     # opd's prompt stream, in opd's order (TRL's shuffling is off): batch k holds the same prompts in both
-    spec = opd_spec(args)
-    rng = prompt_rng(spec)
-    items = [cap.sample(rng, "train", spec.difficulty) for _ in range(args.prompts * args.steps)]
+    _, run = opd_settings(args)
+    rng = prompt_rng(run)
+    items = [cap.sample(rng, "train", run.difficulty) for _ in range(args.prompts * args.steps)]
     data = Dataset.from_list([{"prompt": it.prompt, "answer": it.answer} for it in items])
     tokens = []
 

@@ -264,18 +264,18 @@ def test_gspo_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path,
     from opd.lab.model import build_model
     from opd.lab.pico import PICO
 
-    spec = ExpertSpec(capability="count", deepspeed=ZERO2)
+    run = ExpertSpec(capability="count", deepspeed=ZERO2).run_settings()
     model = build_model(PICO, tokenizer, seed=0)
     opt = torch.optim.AdamW(model.parameters())
     path = tmp_path / "state.pt"
     for step in (1, 2):
-        trainer.save_checkpoint(path, model, opt, trainer.RunState(step=step), random.Random(0), spec)
+        trainer.save_checkpoint(path, model, opt, trainer.RunState(step=step), random.Random(0), run)
     monkeypatch.setattr(trainer, "common_step", lambda steps: max(set(steps) & {1}, default=None))
-    state, _ = trainer.load_checkpoint(path, model, random.Random(0), spec, world=2)
+    state, _ = trainer.load_checkpoint(path, model, random.Random(0), run, world=2)
     assert state.step == 1
-    assert trainer.load_checkpoint(path, model, random.Random(0), spec)[0].step == 2
+    assert trainer.load_checkpoint(path, model, random.Random(0), run)[0].step == 2
     monkeypatch.setattr(trainer, "common_step", lambda steps: None)  # no step in common: start fresh
-    assert trainer.load_checkpoint(path, model, random.Random(0), spec, world=2) is None
+    assert trainer.load_checkpoint(path, model, random.Random(0), run, world=2) is None
 
 
 @pytest.mark.parametrize("override, says", [

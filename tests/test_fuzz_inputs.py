@@ -120,7 +120,8 @@ def _set(doc: dict, dotted: str, value) -> dict:
 
 def _fields(kind: str, section: str) -> set[str]:
     from opd.distill.config import DistillConfig, DistillRun
-    from opd.expert.spec import ExpertSpec, GSPOConfig
+    from opd.expert.settings import GSPOConfig
+    from opd.expert.spec import ExpertSpec
     from opd.lab.base import BaseSpec
     from opd.lab.model import ModelShape
     from opd.merge.recipe import Budget, MergeRecipe, Objectives, Screening

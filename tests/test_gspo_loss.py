@@ -210,7 +210,7 @@ def test_gspo_step_logs_engine_ratio_and_applies_tis(pico_model):
     kept = [(rollouts[:2], [1.0, 0.0]), (rollouts[2:], [0.0, 1.0])]
     spec = ExpertSpec(capability="add", gspo={"updates_per_batch": 1, "tis_cap": 1.2})
     opt = torch.optim.SGD(pico_model.parameters(), lr=0.0)
-    out = gspo_step(pico_model, opt, None, kept, spec, pad_id=0)
+    out = gspo_step(pico_model, opt, None, kept, spec.gspo, pad_id=0)
     assert out["engine_ratio_min"] == pytest.approx(math.exp(0.5), rel=1e-4)
     assert out["engine_ratio_p90"] == pytest.approx(math.exp(0.5), rel=1e-4)
     assert out["tis_truncated"] == 1.0

@@ -36,7 +36,7 @@ def test_train_loop_stats_and_checkpoint(trained_pico_dir, tmp_path):
                       gspo={"prompts_per_step": 4, "group_size": 4, "updates_per_batch": 2, "lr": 1e-3,
                             "eps_low": 0.2, "eps_high": 0.28, "min_informative": 0.0})
     screens = []
-    state = train(spec, model, tok, tmp_path / "ck" / "state.pt",
+    state = train(spec.gspo, spec.run_settings(), model, tok, tmp_path / "ck" / "state.pt",
                   evaluate_fn=lambda m: screens.append(1) or 0.5, log=lambda *_: None)
     assert state.step == 3 and len(state.history) == 3 and len(screens) == 2  # step 0 and step 2
     rec = [r for r in state.history if "clip_fraction" in r][0]
@@ -49,7 +49,8 @@ def test_train_loop_stats_and_checkpoint(trained_pico_dir, tmp_path):
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     # rerun: the progress bar hears the resumed step (3 of 3 here) instead of starting at 0
     seen = []
-    train(spec, AutoModelForCausalLM.from_pretrained(trained_pico_dir), tok, tmp_path / "ck" / "state.pt",
+    train(spec.gspo, spec.run_settings(), AutoModelForCausalLM.from_pretrained(trained_pico_dir), tok,
+          tmp_path / "ck" / "state.pt",
           evaluate_fn=lambda m: 0.5, log=lambda *_: None, progress=lambda st, rec: seen.append((st.step, rec is None)))
     assert seen == [(3, True)]
 
@@ -125,6 +126,35 @@ def test_spec_recorded_before_a_field_was_added_is_the_same_spec():
     assert same_spec(stored, spec)
     assert not same_spec({**stored, "seed": 1}, spec)
     assert not same_spec({"capability": "nope"}, spec)
+
+
+def test_loop_settings_resume_only_a_checkpoint_of_the_same_spec(tmp_path, pico_model):
+    """The loop takes settings, not the spec, yet refuses another spec's checkpoint as `same_spec` does:
+    a changed seed starts fresh; where the curves go, or a field an older opd did not record, does not."""
+    import random
+
+    from opd.expert.settings import GSPORun
+    from opd.expert.trainer import RunState, load_checkpoint, save_checkpoint
+
+    spec = ExpertSpec(capability="count", steps=3)
+    run = spec.run_settings()
+    assert (run.name, run.capability, run.steps, run.job) == ("count", "count", 3, spec.model_dump(mode="json"))
+    # a default spec's run is the loop's default run (the two keep one set of defaults)
+    assert ExpertSpec(capability="count").run_settings().model_dump(exclude={"job"}) == \
+        GSPORun(name="count", capability="count").model_dump(exclude={"job"})
+    path = tmp_path / "state.pt"
+    save_checkpoint(path, pico_model, torch.optim.AdamW(pico_model.parameters()), RunState(step=2), random.Random(0),
+                    run)
+
+    def resumed(other: ExpertSpec) -> bool:
+        return load_checkpoint(path, pico_model, random.Random(0), other.run_settings(), lambda *_: None) is not None
+
+    assert resumed(spec) and resumed(spec.model_copy(update={"report_to": "none"}))
+    assert not resumed(spec.model_copy(update={"seed": 1}))
+    older = torch.load(path, weights_only=False)
+    del older["spec"]["reward_timeout_s"]  # as written by an older opd
+    torch.save(older, path)
+    assert resumed(spec)
 
 
 @pytest.mark.parametrize("completions", [[[5, 7, 2], [9], [5, 59], [3, 3, 3], [8, 2]], [[5], [9], [7], [3], [8]]],

@@ -35,17 +35,17 @@ def test_io_falls_back_to_previous_then_fresh(tmp_path, how):
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])
 def test_gspo_resumes_from_previous_checkpoint(tmp_path, pico_model, how):
-    spec = ExpertSpec(capability="count", steps=3)
+    run = ExpertSpec(capability="count", steps=3).run_settings()
     opt = torch.optim.AdamW(pico_model.parameters())
     path = tmp_path / "state.pt"
     for step in (10, 20):
-        save_checkpoint(path, pico_model, opt, RunState(step=step), random.Random(0), spec)
+        save_checkpoint(path, pico_model, opt, RunState(step=step), random.Random(0), run)
     _tear(path, how)
     warnings = []
-    state, _ = load_checkpoint(path, pico_model, random.Random(0), spec, warnings.append)
+    state, _ = load_checkpoint(path, pico_model, random.Random(0), run, warnings.append)
     assert state.step == 10 and len(warnings) == 1
     _tear(previous_path(path), how)
-    assert load_checkpoint(path, pico_model, random.Random(0), spec, warnings.append) is None  # fresh start
+    assert load_checkpoint(path, pico_model, random.Random(0), run, warnings.append) is None  # fresh start
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])

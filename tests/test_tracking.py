@@ -53,7 +53,8 @@ def test_gspo_writes_every_metric_and_a_resume_logs_no_step_twice(trained_pico_d
     for _ in range(2):
         model = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
         with open_tracker(spec.report_to, tb) as tracker:
-            state = train(spec, model, tok, ckpt, evaluate_fn=lambda m: 0.5, log=lambda *_: None, tracker=tracker)
+            state = train(spec.gspo, spec.run_settings(), model, tok, ckpt, evaluate_fn=lambda m: 0.5,
+                          log=lambda *_: None, tracker=tracker)
     assert len(list(tb.glob("events.out.tfevents.*"))) == 2  # two sessions, one directory
     got = curves(tb)
     assert got == history_steps(state.history, {"val": [0]})  # val: the start's screening, then step 2

@@ -73,8 +73,8 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
                 info += f" val {rec['val']:.2f}"
             bar.update(task, completed=state.step, info=info)
 
-        state = train(spec, model, tok, ckpt, evaluate_fn=screen, log=console.print, progress=progress, wrap=wrap,
-                      tracker=tracker)
+        state = train(spec.gspo, spec.run_settings(), model, tok, ckpt, evaluate_fn=screen, log=console.print,
+                      progress=progress, wrap=wrap, tracker=tracker)
     if int(os.environ.get("RANK", "0")) != 0:
         return {}  # rank 0 scores and writes the expert
     manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print)

@@ -1,7 +1,12 @@
-"""Expert specs: the YAML in experts/<name>.yaml that `scripts/train_expert.py` trains from."""
+"""Expert specs: the YAML in experts/<name>.yaml that `scripts/train_expert.py` trains from.
+
+A spec is the recipe's input; the GSPO loop takes the settings the spec resolves to
+(`spec.gspo` and `spec.run_settings()`, opd.expert.settings), never the spec itself.
+"""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Literal
 
@@ -9,41 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
+from opd.expert.settings import GSPOConfig, GSPORun
 from opd.paths import NAME_PATTERN
 from opd.rl.distributed import DeepSpeedFragment
 from opd.tracking import REPORT_TO_HELP, ReportTo
-
-
-class GSPOConfig(BaseModel):
-    """GSPO settings (Zheng et al., 2025). Library defaults follow the paper."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prompts_per_step: int = Field(16, gt=0, le=4096, description="prompts (groups) per rollout batch")
-    group_size: int = Field(8, gt=1, le=1024, description="samples per prompt; advantages are normalised within a group")
-    updates_per_batch: int = Field(4, gt=0, description="minibatch updates per rollout batch (ratios leave 1 after the first)")
-    lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
-    eps_low: float = Field(3e-4, ge=0, description="lower clip: ratio floor is 1 - eps_low")
-    eps_high: float = Field(4e-4, ge=0, description="upper clip: ratio ceiling is 1 + eps_high")
-    level: Literal["sequence", "token"] = Field("sequence", description="'sequence' = GSPO, 'token' = GSPO-token")
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy (0 = off)")
-    temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
-    max_temperature: float = Field(1.5, gt=0, description="ceiling when temperature is raised to revive stalled groups")
-    max_new_tokens: int | None = Field(None, gt=0, le=32768, description="default: the capability's own")
-    drop_zero_variance: bool = Field(True, description="drop groups whose samples all got the same reward")
-    min_informative: float = Field(0.5, ge=0, le=1, description="resample prompts until this share of groups has mixed rewards")
-    max_resample: int = Field(2, ge=0, description="extra rollout rounds allowed per step to reach min_informative")
-    grad_clip: float = Field(1.0, gt=0)
-    recompute_old_logprobs: bool = Field(True, description="old logprobs from the trainer, not the engine (engine mismatch is logged)")
-    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling: weight each sample by "
-                                  "min(pi_trainer / pi_engine, tis_cap) (GSPO-token: each token); None = off")
-
-    @model_validator(mode="after")
-    def _check_tis(self):
-        if self.tis_cap is not None and not self.recompute_old_logprobs:
-            raise ValueError("tis_cap needs recompute_old_logprobs: true (the clip uses the trainer's old "
-                             "logprobs, the engine's enter only through the TIS weight)")
-        return self
 
 
 class ExpertSpec(BaseModel):
@@ -82,6 +56,15 @@ class ExpertSpec(BaseModel):
     @property
     def expert_name(self) -> str:
         return self.name or self.capability.replace(":", "_")
+
+    def run_settings(self) -> GSPORun:
+        """The GSPO loop's run settings for this spec. Its checkpoints record the spec, and a run
+        resumes only a checkpoint of the same spec (`same_spec`)."""
+        return GSPORun(name=self.expert_name, capability=self.capability, seed=self.seed, difficulty=self.difficulty,
+                       reward=self.reward, reward_timeout_s=self.reward_timeout_s, steps=self.steps,
+                       max_minutes=self.max_minutes, eval_every=self.eval_every, checkpoint_every=self.checkpoint_every,
+                       engine=self.engine, engine_args=self.engine_args, deepspeed=self.deepspeed is not None,
+                       job=self.model_dump(mode="json"), same_job=functools.partial(same_spec, spec=self))
 
 
 def same_spec(stored: dict | None, spec: ExpertSpec) -> bool:

@@ -3,6 +3,9 @@
 One step = one rollout batch (prompts x group) followed by `updates_per_batch` minibatch updates
 against the logprobs of the policy that sampled it. Resumable: a checkpoint (model, optimizer,
 RNG states, prompt cursor, best-so-far) is written every `checkpoint_every` steps.
+
+It takes its GSPO settings and its run settings (opd.expert.settings), not an expert spec: the
+expert recipe (opd.expert.run) resolves a spec into both. The maths are in opd.rl.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
-from opd.expert.spec import ExpertSpec, same_spec
+from opd.expert.settings import GSPOConfig, GSPORun
 from opd.io import atomic_torch_save, readable_checkpoints
 from opd.rl.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
 from opd.rl.distributed import (
@@ -46,21 +49,20 @@ class RunState:
     history: list[dict] = field(default_factory=list)
 
 
-def prompt_rng(spec: ExpertSpec, rank: int = 0) -> random.Random:
+def prompt_rng(run: GSPORun, rank: int = 0) -> random.Random:
     """The RNG the loop draws its training prompts from: each step takes `prompts_per_step`
-    `cap.sample(rng, "train", spec.difficulty)` items in turn (more when it resamples)."""
-    return random.Random(f"gspo|{spec.capability}|{spec.seed}" + (f"|{rank}" if rank else ""))
+    `cap.sample(rng, "train", run.difficulty)` items in turn (more when it resamples)."""
+    return random.Random(f"gspo|{run.capability}|{run.seed}" + (f"|{rank}" if rank else ""))
 
 
-def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: int):
+def _rollout_batch(engine, cap, rng, g: GSPOConfig, run: GSPORun, state: RunState, seed: int):
     """Sample groups until `min_informative` of them have mixed rewards (or resampling runs out)."""
-    g = spec.gspo
-    reward = GuardedReward(get_reward(spec.reward), spec.reward_timeout_s)
+    reward = GuardedReward(get_reward(run.reward), run.reward_timeout_s)
     params = SamplingParams(temperature=state.temperature,
                             max_new_tokens=g.max_new_tokens or cap.max_new_tokens + 1, seed=seed)
     kept, seen, gen_tokens = [], 0, 0
     for round_ in range(1 + g.max_resample):
-        items = [cap.sample(rng, "train", spec.difficulty) for _ in range(g.prompts_per_step)]
+        items = [cap.sample(rng, "train", run.difficulty) for _ in range(g.prompts_per_step)]
         groups = engine.generate([it.prompt for it in items], g.group_size,
                                  SamplingParams(**{**params.__dict__, "seed": seed * 31 + round_}))
         for it, group in zip(items, groups):
@@ -76,9 +78,8 @@ def _rollout_batch(engine, cap, rng, spec: ExpertSpec, state: RunState, seed: in
     return kept[: g.prompts_per_step], informative / max(1, seen), gen_tokens, failures
 
 
-def gspo_step(model, opt, ref_model, kept, spec: ExpertSpec, pad_id: int, backward=None) -> dict:
+def gspo_step(model, opt, ref_model, kept, g: GSPOConfig, pad_id: int, backward=None) -> dict:
     """Updates on one rollout batch; returns the stats GSPO practitioners watch."""
-    g = spec.gspo
     rewards = torch.tensor([rw for _, rw in kept], dtype=torch.float32)  # (P, G)
     order = torch.randperm(rewards.numel())  # shuffled once: minibatches are consecutive rows
     adv = group_advantages(rewards).reshape(-1)[order]  # (B,)
@@ -133,22 +134,24 @@ def _same_size_on_all_ranks(kept: list) -> list:
     return kept[: ranks_min(len(kept))]
 
 
-def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random, spec: ExpertSpec) -> None:
-    atomic_torch_save({"spec": spec.model_dump(mode="json"), "model": model.state_dict(),
+def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random, run: GSPORun) -> None:
+    # "spec": the run's job under the name checkpoints written before the loop took settings gave it
+    atomic_torch_save({"spec": run.job, "model": model.state_dict(),
                        "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
                        "torch_rng": torch.get_rng_state()}, path, keep_previous=True)
 
 
-def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec, log=print, world: int = 1
+def load_checkpoint(path: Path, model, rng: random.Random, run: GSPORun, log=print, world: int = 1
                     ) -> tuple[RunState, dict] | None:
     """Restore model and RNGs; the optimizer state is returned, to be loaded once the optimizer
     is final (a DeepSpeed ZeRO optimizer only exists after `wrap`). An unreadable checkpoint falls
     back to the previous one, then to a fresh start (`opd.io.load_checkpoint`). With `world` > 1
     ranks (collective: every rank calls it) the latest step that every rank holds, as OPD does: a
-    run killed between two ranks' saves resumes every rank from the older one."""
+    run killed between two ranks' saves resumes every rank from the older one. A checkpoint of
+    another job (`run.resumes`: an expert's changed spec) is passed over."""
     # a ZeRO optimizer's state holds a few DeepSpeed classes
     found = {c["state"]["step"]: c for c in reversed(list(readable_checkpoints(
-        path, log, zero_checkpoint_globals() if spec.deepspeed is not None else None))) if same_spec(c.get("spec"), spec)}
+        path, log, zero_checkpoint_globals() if run.deepspeed else None))) if run.resumes(c.get("spec"))}
     if world > 1:
         step = common_step(list(found))
         ck = found.get(step) if step is not None else None
@@ -162,37 +165,37 @@ def load_checkpoint(path: Path, model, rng: random.Random, spec: ExpertSpec, log
     return RunState(**ck["state"]), ck["optim"]
 
 
-def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, log=print,
+def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, evaluate_fn, log=print,
           progress=None, wrap=None, tracker: Tracker | None = None) -> RunState:
-    """Run GSPO until `steps` or `max_minutes`; returns the state holding the best model.
+    """Run GSPO with settings `g` until `run.steps` or `run.max_minutes`; returns the state holding
+    the best model.
 
     `evaluate_fn(model) -> float` screens on validation; `wrap(model, opt) -> (model, opt, backward)`
     swaps in a DeepSpeed engine; `tracker` (opd.tracking) gets every history record;
     `progress(state, rec)` after each step, with rec None once on resume.
     """
     tracker = tracker or Tracker()
-    g = spec.gspo
-    cap = get_capability(spec.capability)
+    cap = get_capability(run.capability)
     # fused: one kernel for every parameter instead of a dozen ops each (tiny models are all overhead)
     opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     ref_model = copy.deepcopy(model).eval() if g.kl_coef > 0 else None
     # Each rank of a data-parallel run samples its own prompts and completions.
     rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
-    rng = prompt_rng(spec, rank)
-    torch.manual_seed(spec.seed + rank)
+    rng = prompt_rng(run, rank)
+    torch.manual_seed(run.seed + rank)
     world = int(os.environ.get("WORLD_SIZE", "1")) if wrap is not None else 1
     if world > 1:
         init_distributed()  # the ranks agree on a resume step before the engine exists
-    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, spec, log, world)
+    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, run, log, world)
     state, optim_state = loaded if loaded else (None, None)
     if state is None:
         state = RunState(temperature=g.temperature)
         state.best_score = evaluate_fn(model)
         state.best_model = copy.deepcopy(model.state_dict())
-        log(f"step 0: val {spec.capability} = {state.best_score:.3f}")
+        log(f"step 0: val {run.capability} = {state.best_score:.3f}")
         tracker.log({"val": state.best_score}, 0)
     else:
-        log(f"resuming {spec.expert_name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
+        log(f"resuming {run.name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
         if progress:
             progress(state, None)  # a resumed run's bar starts where it had got to
     backward = None
@@ -203,12 +206,12 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
     elif optim_state is not None:
         opt.load_state_dict(optim_state)
     policy = getattr(model, "module", model)
-    engine = get_engine(spec.engine, model=policy, tokenizer=tokenizer, **spec.engine_args)
+    engine = get_engine(run.engine, model=policy, tokenizer=tokenizer, **run.engine_args)
     t0 = time.time() - state.elapsed
-    while state.step < spec.steps and time.time() - t0 < spec.max_minutes * 60:
+    while state.step < run.steps and time.time() - t0 < run.max_minutes * 60:
         t_roll = time.time()
-        kept, share, gen_tokens, failures = _rollout_batch(engine, cap, rng, spec, state,
-                                                 seed=spec.seed * 100_003 + state.step + rank * 1_000_003)
+        kept, share, gen_tokens, failures = _rollout_batch(engine, cap, rng, g, run, state,
+                                                           seed=run.seed * 100_003 + state.step + rank * 1_000_003)
         t_roll = time.time() - t_roll
         # Stalled groups carry no signal: raise temperature while informative groups are scarce.
         if share < g.min_informative:
@@ -218,14 +221,14 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         t_upd = time.time()
         if backward is not None:
             kept = _same_size_on_all_ranks(kept)
-        st = gspo_step(model, opt, ref_model, kept, spec, tokenizer.pad_token_id, backward) if kept else {}
+        st = gspo_step(model, opt, ref_model, kept, g, tokenizer.pad_token_id, backward) if kept else {}
         t_upd = time.time() - t_upd
         engine.sync_weights(policy)
         state.step += 1
         rec = {"step": state.step, "informative": share, "temperature": state.temperature,
                "groups": len(kept), "rollout_tok_s": gen_tokens / max(t_roll, 1e-9),
                "train_tok_s": st.get("trained_tokens", 0) / max(t_upd, 1e-9), **failures, **st}
-        if state.step % spec.eval_every == 0:
+        if state.step % run.eval_every == 0:
             rec["val"] = evaluate_fn(policy)
             if rec["val"] > state.best_score:
                 state.best_score, state.best_step = rec["val"], state.step
@@ -239,6 +242,6 @@ def train(spec: ExpertSpec, model, tokenizer, ckpt_path: Path, *, evaluate_fn, l
         state.elapsed = time.time() - t0
         if progress:
             progress(state, rec)
-        if state.step % spec.checkpoint_every == 0:
-            save_checkpoint(rank_path(ckpt_path, rank), policy, opt, state, rng, spec)
+        if state.step % run.checkpoint_every == 0:
+            save_checkpoint(rank_path(ckpt_path, rank), policy, opt, state, rng, run)
     return state
