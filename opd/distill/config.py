@@ -106,7 +106,7 @@ class DistillRun(BaseModel):
     student: str = Field("base", description="'base', or a model directory (e.g. runs/merge/<name>/best)")
     student_merge: dict[str, Any] | None = Field(
         None, description="init the student from this weight-space merge of the teachers: "
-        "{strategy, shared, per_model, seed} as in opd.merge.methods.Candidate")
+        "{strategy, shared, per_model, seed} as in opd.weights.merge.Candidate")
     distill: DistillConfig = Field(default_factory=DistillConfig)
     teacher_servers: dict[str, str] = Field(default_factory=dict, description="teacher name -> SGLang server URL "
                                             "that serves it (GPU machines): it scores there, its weights are not loaded")

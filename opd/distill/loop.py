@@ -4,7 +4,7 @@ moves towards them by per-token reverse KL.
 One step = one rollout batch over all routed capabilities, then `updates_per_batch` minibatch
 updates. Resumable like GSPO: model, optimizer, RNG states and history are checkpointed every
 `checkpoint_every` steps; rerunning with the same config continues from the last checkpoint.
-Under DeepSpeed (`wrap`, see opd.gspo.ds) every rank runs this loop on its own prompts.
+Under DeepSpeed (`wrap`, see opd.rl.distributed) every rank runs this loop on its own prompts.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     evaluate_fn(student) -> {capability: val score}, run every `eval_every` steps and at the end;
     with `references` (each capability's teacher score) the records carry retention.
     stop(record) -> True ends the run after that step (e.g. once a target score is reached).
-    wrap(model, opt) -> (engine, opt, backward): DeepSpeed (`opd.gspo.ds.deepspeed_wrap`). Each rank
+    wrap(model, opt) -> (engine, opt, backward): DeepSpeed (`opd.rl.distributed.deepspeed_wrap`). Each rank
     draws its own `prompts_per_step` prompts and checkpoints to its own file; rank 0 evaluates and
     its keep-best and stop decisions hold on every rank.
     tracker (opd.tracking): gets every history record, each teacher's KL as kl/<teacher>.
