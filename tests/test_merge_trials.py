@@ -78,3 +78,26 @@ def test_export_refuses_a_student_naming_its_run(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"trials": [entry]}))
     with pytest.raises(OpdError, match="trial 1 is a distilled student \\(opd\\).*opd/trial-0/student.safetensors"):
         export_trial(tmp_path, 1)
+
+
+def test_strategies_say_how_the_best_model_was_made():
+    """The best model's card comes from its strategy (the report has no per-kind branch): a mergekit
+    merge's YAML, opd's own method's export command, a student's settings and initial merge."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from opd.distill.config import DistillConfig
+    from opd.merge.strategies import BuildContext
+
+    ctx = BuildContext(DistillConfig(), Path("runs/merge/x"), "x", None, 7)
+    paths = {"a": "/e/a"}
+    ties = get_strategy("ties").card(CAND, "/b", paths, ctx)
+    assert (ties.kind, ties.recipe_file, ties.recipe["merge_method"], ties.tags) == ("merged", "mergekit.yaml", "ties", ())
+    assert "`mergekit-yaml mergekit.yaml OUT --random-seed 3`" in ties.reproduce
+    iso = get_strategy("iso_c").card(Candidate(strategy="iso_c", seed=1), "/b", paths, ctx)
+    assert "`python -m opd.merge export runs/merge/x 7`" in iso.reproduce and iso.recipe["merge_method"] == "iso_c"
+    hybrid = Candidate(strategy="ties+opd", shared={"lambda": 1.0, "steps": 2}, per_model={"a": {"density": 0.5}})
+    card = get_strategy("ties+opd").card(hybrid, "/b", paths, replace(ctx, opd_init=CAND))
+    assert (card.kind, card.recipe_file, card.tags) == ("distilled", "distill.yaml", ("distillation",))
+    assert card.recipe["init"]["merge_method"] == "ties" and card.recipe["opd"]["strategy"] == "ties+opd"
+    assert get_strategy("opd").card(Candidate(strategy="opd"), "/b", paths, ctx).recipe["init"] == "base"

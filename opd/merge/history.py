@@ -18,10 +18,11 @@ from pathlib import Path
 
 from opd.io import atomic_write_json
 from opd.merge.recipe import Choices, LayerRange, MergeRecipe
+from opd.merge.strategies import RUNS_DIR
 
 # Outputs of one study; everything else in the run directory (study.db) is shared.
 STUDY_OUTPUTS = ("results.json", "report.md", "report.html", "retention_heatmap.png", "pareto_front.png",
-                 "strategy_best.png", "search_history.png", "opd_kl.png", "best", "opd")
+                 "strategy_best.png", "search_history.png", "opd_kl.png", "best", RUNS_DIR)
 
 
 def inputs_key(base_hash: str, expert_hashes: dict[str, str]) -> str:
@@ -44,7 +45,7 @@ def switch_study(out: Path, study: str, legacy_study: str) -> str | None:
     marker = out / "current.json"
     if marker.exists():
         cur = json.loads(marker.read_text())
-    elif any((out / f).exists() for f in ("results.json", "opd")):
+    elif any((out / f).exists() for f in ("results.json", RUNS_DIR)):
         cur = {"study": legacy_study, "previous": None}
     else:
         cur = {"study": study, "previous": None}

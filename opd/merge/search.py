@@ -33,14 +33,14 @@ from opd.merge.interference import (
     to_records,
 )
 from opd.merge.recipe import Choices, LayerRange, MergeRecipe, load_inputs
-from opd.merge.strategies import SEARCH_STAGE, BuildContext, MergeInputs, get_strategy, stages
+from opd.merge.strategies import RUNS_DIR, SEARCH_STAGE, BuildContext, MergeInputs, get_strategy, stages
 from opd.merge.weightspace import weightspace_interference
 from opd.paths import check_output, redact_url
 from opd.weights.layers import LayerValues
 from opd.weights.merge import Candidate
 
 # What an existing run directory of a merge recipe holds (one of them at least).
-RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", "opd", "lab_stages.json")
+RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", RUNS_DIR, "lab_stages.json")
 
 
 class Scorer:
@@ -465,7 +465,7 @@ def _start_over(recipe: MergeRecipe, name: str, log) -> None:
         pass  # no such study yet
     except Exception as e:
         raise _storage_error(recipe, f"cannot delete study {name!r}", e) from None
-    shutil.rmtree(recipe.out_dir / "opd", ignore_errors=True)
+    shutil.rmtree(recipe.out_dir / RUNS_DIR, ignore_errors=True)
 
 
 def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = False, live: bool = True,

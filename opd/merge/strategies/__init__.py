@@ -12,6 +12,7 @@ strategies only through this registry; the weights they build come from opd.weig
 """
 
 from opd.merge.strategies.base import (
+    RUNS_DIR,
     SEARCH_STAGE,
     STRATEGIES,
     BuildContext,
@@ -30,5 +31,5 @@ from opd.merge.strategies.opd_methods import OPD_METHODS
 register(*MERGEKIT_METHODS, *OPD_METHODS, *DISTILL_STRATEGIES)
 register(*HYBRIDS.values(), described_as=HYBRIDS_ARE)
 
-__all__ = ["SEARCH_STAGE", "STRATEGIES", "BuildContext", "MergeInputs", "ModelCard", "Strategy", "get_strategy",
+__all__ = ["RUNS_DIR", "SEARCH_STAGE", "STRATEGIES", "BuildContext", "MergeInputs", "ModelCard", "Strategy", "get_strategy",
            "merge_part", "stages"]

@@ -21,6 +21,9 @@ from opd.weights.merge import Candidate, merge_keys
 
 # The stage a strategy's trial minutes count towards unless it names another (the report's split).
 SEARCH_STAGE = "merge search"
+# Where strategies that train keep their trials' runs: <out>/<RUNS_DIR>/trial-<n>/ (a fresh search
+# deletes it; a rerun after an input changed moves it to the run directory's history).
+RUNS_DIR = "opd"
 
 
 class MergeInputs:

@@ -27,7 +27,7 @@ from opd.distill.routing import resolve_routes
 from opd.distill.teachers import embedded_teacher
 from opd.errors import OpdError
 from opd.io import atomic_save_safetensors, atomic_write_json, exclusive_dir
-from opd.merge.strategies.base import BuildContext, MergeInputs, ModelCard, Strategy, get_strategy
+from opd.merge.strategies.base import RUNS_DIR, BuildContext, MergeInputs, ModelCard, Strategy, get_strategy
 from opd.tracking import open_tracker, tracking_dir
 from opd.weights.merge import Candidate, merge_keys, mergekit_config, methods
 
@@ -103,7 +103,7 @@ class DistillStrategy(Strategy):
 
 def student_dir(out_dir: Path, run: int) -> Path:
     """Where the student of trial `run` (the trial a requeued one resumes) is trained and kept."""
-    return Path(out_dir) / "opd" / f"trial-{run}"
+    return Path(out_dir) / RUNS_DIR / f"trial-{run}"
 
 
 # The DistillConfig fields an OPD strategy searches (defaults: the recipe's `distill` block), and
