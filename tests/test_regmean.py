@@ -171,7 +171,7 @@ def test_method_refuses_inputs_without_grams():
 
 
 def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path):
-    from opd.merge import regmean
+    from opd.weights import regmean
     from opd.weights.merge import Candidate, merge_candidate, mergekit_config, run_mergekit
     from opd.weights.regmean import expert_grams
 
