@@ -65,6 +65,10 @@ def test_bpe_spec_is_validated_and_char_bases_keep_their_cache_key():
     from opd.lab.base import same_training
 
     assert same_training(old, char) and not same_training(old, bpe_spec())
+    # the thread count changes how fast a base trains, not what it learns: a base built (or resumed)
+    # on one thread is reused on two
+    assert same_training(bpe_spec(threads=1).training_fields(), bpe_spec(threads=2))
+    assert same_training({**old, "threads": 2}, char)  # manifests written before threads was excluded
 
 
 def test_the_shipped_base_spec_selects_the_bpe():

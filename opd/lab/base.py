@@ -84,7 +84,8 @@ class BaseSpec(BaseModel):
 
     def training_fields(self) -> dict:
         """The fields that determine the weights (reporting fields excluded): the build cache key."""
-        exclude = {"scored", "report_to"} | ({"bpe_vocab_size", "bpe_split"} if self.tokenizer == "char" else set())
+        # threads: how fast, not what (a base built on 1 thread is reused on 2, and resumes there)
+        exclude = {"scored", "report_to", "threads"} | ({"bpe_vocab_size", "bpe_split"} if self.tokenizer == "char" else set())
         return self.model_dump(mode="json", exclude=exclude)
 
 
