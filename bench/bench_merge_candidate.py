@@ -120,12 +120,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             t_naive, cpu_naive, s_naive, o_naive = naive(mergekit_config(cand, str(Path(base).resolve()), paths),
                                                          cand.seed, caps, Path(tmp), args.batch_size)
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0, cpu0 = time.perf_counter(), time.process_time() + children_cpu()  # with any subprocess it starts
         sd = merge_candidate(cand, str(inputs.base_path), paths, inputs.base_sd, inputs.expert_sds)
         scorer.model.load_state_dict(sd, strict=False)
         t_merge = time.perf_counter() - t0
         s_opd = score_in_process()
-        t_opd, cpu_opd = time.perf_counter() - t0, time.process_time() - cpu0
+        t_opd, cpu_opd = time.perf_counter() - t0, time.process_time() + children_cpu() - cpu0
         o_opd = in_process_outputs(caps)
         same = s_naive == s_opd and o_opd == o_naive
         rows.append((t_naive, t_opd, t_merge, cpu_naive, cpu_opd, same))
