@@ -65,6 +65,10 @@ def test_bpe_spec_is_validated_and_char_bases_keep_their_cache_key():
     from opd.lab.base import same_training
 
     assert same_training(old, char) and not same_training(old, bpe_spec())
+    # the thread count changes how fast a base trains, not what it learns: a base built (or resumed)
+    # on one thread is reused on two
+    assert same_training(bpe_spec(threads=1).training_fields(), bpe_spec(threads=2))
+    assert same_training({**old, "threads": 2}, char)  # manifests written before threads was excluded
 
 
 def test_the_shipped_base_spec_selects_the_bpe():
@@ -78,6 +82,26 @@ def test_the_shipped_base_spec_selects_the_bpe():
     for cap in spec.mixture:
         for it in get_capability(cap).items("val", 20):
             assert tok.unk_token_id not in tok.encode(it.prompt + it.answer + "\n", add_special_tokens=False)
+
+
+def test_qwen2_split_spells_numbers_digit_by_digit_and_gpt2_merges_them(bpe):
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from opd.lab.tokenizer import QWEN2_SPLIT
+
+    assert QWEN2_SPLIT == PRETOKENIZE_REGEX  # the copy is Qwen2/3's own split
+    digits = [it.answer for cap in ("add", "max", "sort") for it in get_capability(cap).items("val", 30)]
+    for text in digits:
+        assert [bpe.decode([i]) for i in bpe.encode(text, add_special_tokens=False)] == list(text)
+    # letter runs still merge: answers of the letter tasks span fewer tokens than characters
+    words = [it.answer for it in get_capability("dedup").items("val", 30)]
+    assert sum(len(bpe.encode(w, add_special_tokens=False)) for w in words) < sum(map(len, words))
+    gpt2 = build_tokenizer(bpe_spec(capabilities=BUILTIN, mixture=dict.fromkeys(BUILTIN, 1.0), bpe_split="gpt2"))
+    assert any(len(gpt2.encode(t, add_special_tokens=False)) < len(t) for t in digits)
+    assert tokenizer_hash(gpt2) != tokenizer_hash(bpe)
+    assert "bpe_split" not in bpe_spec(tokenizer="char").training_fields()
+    with pytest.raises(ValueError, match="bpe_split"):
+        bpe_spec(bpe_split="llama")
 
 
 def test_newline_stop_is_one_token_the_model_stops_on(bpe):
@@ -111,7 +135,7 @@ def test_no_merge_spans_the_prompt_answer_boundary(bpe, cap):
 
 
 def test_completion_ids_are_trained_as_sampled_not_retokenized(bpe):
-    """A BPE model may sample a non-canonical split of its answer ("1","3" for "13"): the engine's
+    """A BPE model may sample a non-canonical split of its answer ("f","c" for "fc"; digits are single tokens under the qwen2 split): the engine's
     log-probs, the teacher's scores and the OPD/GSPO batches use the ids as sampled, and the reward
     uses their text. Re-tokenizing the text would score other tokens than the ones sampled."""
     from opd.distill.batch import build_batch
@@ -123,7 +147,7 @@ def test_completion_ids_are_trained_as_sampled_not_retokenized(bpe):
     torch.manual_seed(0)
     model = build_model(PICO, bpe, seed=0)
     engine = get_engine("embedded", model=model, tokenizer=bpe)
-    items = get_capability("add").items("val", 8)
+    items = get_capability("dedup").items("val", 8)
     groups = engine.generate([it.prompt for it in items], 8, SamplingParams(temperature=1.5, max_new_tokens=6, seed=0))
     rollouts = [r for g in groups for r in g]
     retok = [r for r in rollouts if bpe.encode(r.text, add_special_tokens=False) != r.completion_ids]
@@ -131,8 +155,8 @@ def test_completion_ids_are_trained_as_sampled_not_retokenized(bpe):
     scored = engine.score([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts])
     for r, lp in zip(rollouts, scored):
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(r.logprobs), atol=1e-4, rtol=0)
-    teacher = embedded_teacher("add", "add", build_model(PICO, bpe, seed=1), bpe)
-    batch = build_batch(model, items, groups, {"add": teacher}, resolve_routes({"add": "add"}), bpe.pad_token_id)
+    teacher = embedded_teacher("dedup", "dedup", build_model(PICO, bpe, seed=1), bpe)
+    batch = build_batch(model, items, groups, {"dedup": teacher}, resolve_routes({"dedup": "dedup"}), bpe.pad_token_id)
     for b, r in enumerate(rollouts):
         n = len(r.completion_ids)
         assert batch.targets[b, :n].tolist() == r.completion_ids and int(batch.cmask[b].sum()) == n
@@ -140,11 +164,11 @@ def test_completion_ids_are_trained_as_sampled_not_retokenized(bpe):
     assert all(grouped.completion_ids[b, : len(r.completion_ids)].tolist() == r.completion_ids
                for b, r in enumerate(rollouts))
     # an answer that spans several tokens, sampled as single characters, is still right
-    answer = next(it.answer for it in get_capability("add").items("val", 100)
-                  if len(bpe.encode(it.answer, add_special_tokens=False)) < len(it.answer))  # e.g. "132" = "13","2"
+    answer = next(it.answer for it in get_capability("dedup").items("val", 100)
+                  if len(bpe.encode(it.answer, add_special_tokens=False)) < len(it.answer))  # e.g. "hfcfe" = "h","fc","fe"
     chars = [bpe.encode(ch, add_special_tokens=False)[0] for ch in answer] + [newline_id(bpe)]
     text = bpe.decode(chars, skip_special_tokens=True)
-    assert get_capability("add").verify(text, answer) == 1.0
+    assert get_capability("dedup").verify(text, answer) == 1.0
 
 
 def test_a_completion_ended_by_eos_is_rewarded_as_lm_eval_scores_it(bpe, monkeypatch):

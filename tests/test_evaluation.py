@@ -98,6 +98,64 @@ def test_lm_eval_cli_equals_api(trained_pico_dir, tmp_path):
     assert 0 < ours.score < 1
 
 
+def test_tasks_built_once_and_each_model_scored_on_its_own(trained_pico_dir, pico_model, monkeypatch):
+    """opd reuses its lm-eval task objects across evaluations (built once per process). Model A (the
+    trained pico), then B (an untrained one), then A again on the same task objects: each gets its own
+    score and its own generations, the same as simple_evaluate on tasks built for that call alone.
+    Any rank scores."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(trained_pico_dir)
+    a, b = AutoModelForCausalLM.from_pretrained(trained_pico_dir), pico_model
+
+    def ours(model):
+        score = api.evaluate(model, tok, ["count"], "val", limit=60, batch_size=16, use_cache=False)["count"].score
+        task = api.lm_eval_tasks(["count"], "val")["opd_count_val"]
+        return score, {i.doc_id: i.filtered_resps["none"] for i in task.instances}
+
+    def fresh(model):
+        out = lm_eval.simple_evaluate(
+            model=HFLM(pretrained=model, tokenizer=tok, batch_size=16, device="cpu"), tasks=["opd_count_val"],
+            limit=60, task_manager=TaskManager(include_path=str(REPO_EVALS), include_defaults=False))
+        return (out["results"]["opd_count_val"]["score,none"],
+                {d["doc_id"]: d["filtered_resps"][0] for d in out["samples"]["opd_count_val"]})
+
+    task = api.lm_eval_tasks(["count"], "val")["opd_count_val"]
+    first_a = ours(a)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a distributed trainer's other rank scores its own copy too
+    got_b = ours(b)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert ours(a) == first_a and len(first_a[1]) == 60
+    assert got_b[0] != first_a[0] and got_b[1] != first_a[1]
+    assert api.lm_eval_tasks(["count"], "val")["opd_count_val"] is task  # reused, not rebuilt
+    assert first_a == fresh(a) and got_b == fresh(b)
+
+
+def test_requests_are_the_heldout_prompts_verbatim():
+    """The task YAMLs name columns (doc_to_text: prompt): each request is the held-out prompt as is,
+    what the former Jinja template "{{prompt}}" rendered, and the target is the answer."""
+    for c in ("sort", "add"):
+        task = api.lm_eval_tasks([c], "val")[f"opd_{c}_val"]
+        task.build_all_requests()
+        items = heldout_items(c, "val")
+        assert [i.args[0] for i in task.instances] == [d["prompt"] for d in items]
+        assert [task.doc_to_target(i.doc) for i in task.instances] == [d["answer"] for d in items]
+
+
+def test_capability_registered_anew_gets_its_task_rebuilt(monkeypatch):
+    from dataclasses import replace
+
+    from opd import capabilities
+
+    first = api.lm_eval_tasks(["count"], "val")["opd_count_val"]
+    assert api.lm_eval_tasks(["count"], "val")["opd_count_val"] is first
+    monkeypatch.setitem(capabilities._REGISTRY, "count", replace(capabilities.get_capability("count")))
+    assert api.lm_eval_tasks(["count"], "val")["opd_count_val"] is not first
+
+
 def test_generated_tasks_for_other_capabilities(tmp_path):
     d = write_tasks(tmp_path / "tasks", ["rg:basic_arithmetic"])
     assert (d / "opd_rg_basic_arithmetic_val.yaml").exists()

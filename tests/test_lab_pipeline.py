@@ -92,7 +92,8 @@ def test_experts_stage_in_parallel_passes_the_same_to_each_process(tmp_path, mon
     run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"])  # jobs from the recipe
     assert seen["jobs"] == 2
     count, mx = seen["cmds"]["count"], seen["cmds"]["max"]
-    assert count[2].endswith("experts/count.yaml") and count[3:] == ["max_minutes=0.5", "gspo.lr=0.001"]
+    assert count[2].endswith("experts/count.yaml")
+    assert count[3:] == ["base=runs/base", "max_minutes=0.5", "gspo.lr=0.001"]  # the recipe's base first
     assert mx[-2:] == ["--out", str(tmp_path / "lab10" / "max")]
     run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"], jobs=3)  # --jobs wins
     assert seen["jobs"] == 3
@@ -107,3 +108,39 @@ def test_expert_without_spec_and_bad_override_are_refused(tmp_path):
                     "train: {overrides: {gspo.lrr: 1}}\n")
     with pytest.raises(OpdError, match=r"r.yaml: field .train.overrides.: .*.gspo.lrr.: Extra inputs"):
         run_lab(str(path), ["experts"])
+
+
+def test_base_stage_builds_the_recipes_base_and_experts_train_from_it(tmp_path, monkeypatch):
+    """A BPE lab (merge_recipes/lab_bpe.yaml): `train.base` overrides the base spec for the base
+    stage, which builds the recipe's `base`; every expert then starts from that base."""
+    import opd.expert.run
+    import opd.lab.run
+
+    built, trained = [], []
+    monkeypatch.setattr(opd.lab.run, "build_and_report", lambda out, overrides: built.append((out, overrides)))
+    monkeypatch.setattr(opd.expert.run, "run_expert", lambda spec, out=None: trained.append(spec))
+    path = tmp_path / "r.yaml"
+    path.write_text("base: runs/base-bpe\nexperts: [count]\nstrategies: {linear: {weight: 1.0}}\n"
+                    "train: {base: {tokenizer: bpe, bpe_vocab_size: 300}}\n")
+    run_lab(str(path), ["base", "experts"], seed=3)
+    assert built == [("runs/base-bpe", {"tokenizer": "bpe", "bpe_vocab_size": 300, "seed": 3})]
+    assert [(s.base, s.seed) for s in trained] == [("runs/base-bpe", 3)]
+
+
+def test_bad_base_override_is_refused_before_any_stage(tmp_path, monkeypatch):
+    import opd.lab.run
+
+    monkeypatch.setattr(opd.lab.run, "build_and_report", lambda **kw: pytest.fail("the base stage ran"))
+    path = tmp_path / "r.yaml"
+    path.write_text("experts: [count]\nstrategies: {linear: {weight: 1.0}}\ntrain: {base: {tokenzer: bpe}}\n")
+    with pytest.raises(OpdError, match=r"r.yaml: field 'train.base': 'tokenzer': unknown field"):
+        run_lab(str(path), ["base"])
+
+
+def test_the_shipped_bpe_lab_recipe_builds_a_bpe_base():
+    from opd.lab.base import load_base_spec
+    from opd.merge import load_recipe
+
+    recipe = load_recipe("merge_recipes/lab_bpe.yaml")
+    assert recipe.base == "runs/base-bpe" and load_base_spec(**recipe.train.base).tokenizer == "bpe"
+    assert all(e.startswith("experts/bpe/") for e in recipe.experts)  # never the char lab's experts

@@ -113,7 +113,8 @@ def teacher_hidden(batch: OpdBatch, teachers: dict[str, Teacher]) -> list[torch.
     for k, name in enumerate(batch.names):
         model = teachers[name].model
         if model is None:
-            raise ValueError(f"teacher {name!r} has no in-process model: the full estimator needs its hidden states")
+            raise ValueError(f"teacher {name!r} has no in-process model: the full and top-k estimators need its "
+                             "hidden states")
         rows = batch.weights[k].nonzero().squeeze(1)
         h = torch.zeros(int(real.sum()), model.config.hidden_size, device=real.device)
         if len(rows):

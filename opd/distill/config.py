@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
 from opd.config import load_yaml_model
+from opd.errors import OpdError
 from opd.rl.distributed import DeepSpeedFragment
 from opd.tracking import REPORT_TO_HELP, ReportTo
 
-Estimator = Literal["sampled", "full"]
+Estimator = Literal["sampled", "full", "topk"]
 
 
 class TeacherRef(BaseModel):
@@ -26,7 +27,11 @@ class DistillConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     estimator: Estimator = Field("sampled", description="'sampled': per-token advantage -(log pi_s - log pi_t) "
-                                 "in the GSPO-token loss; 'full': exact full-vocabulary reverse KL per token")
+                                 "in the GSPO-token loss; 'full': exact full-vocabulary reverse KL per token; "
+                                 "'topk': reverse KL over the student's top-`topk` tokens plus one tail bucket")
+    topk: int | None = Field(None, ge=1, description="K of the top-k estimator (needed by it, read by no other): "
+                             "per token, the KL between student and target coarsened to the student's K most "
+                             "likely tokens and one bucket for the rest (K >= the vocabulary is the full estimator)")
     steps: int = Field(50, ge=0, description="rollout batches (one optimizer pass each); 0 with warmstart_steps "
                        "> 0 is off-policy distillation alone")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
@@ -54,6 +59,9 @@ class DistillConfig(BaseModel):
     adaptive_mix: float = Field(0.0, ge=0, description="after each retention check, scale capability c's prompt "
                                 "share by 1 + adaptive_mix * (1 - retention_c), so the student sees more of what it "
                                 "is losing (0: the mix stays fixed; needs eval_every > 0 and teacher references)")
+    capability_weights: dict[str, PositiveFloat] | None = Field(
+        None, description="capability -> weight of its prompts' per-token loss (default: 1 each); divided by the "
+        "mean over each batch's prompts, so only the ratios matter")
     checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
     eval_every: int = Field(0, ge=0, description="steps between retention checks on val (0: only at the end)")
     eval_limit: int | None = Field(50, gt=0, description="val items per capability in a retention check")
@@ -74,6 +82,18 @@ class DistillConfig(BaseModel):
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)
     seed: int = 0
 
+    @field_validator("capability_weights")
+    @classmethod
+    def _known_capabilities(cls, weights):
+        from opd.capabilities import get_capability
+
+        for cap in weights or {}:
+            try:
+                get_capability(cap)
+            except OpdError as e:  # as a ValueError, so the message names the file and the field
+                raise ValueError(str(e)) from None
+        return weights
+
     @model_validator(mode="after")
     def _check(self):
         from opd.capabilities import get_capability
@@ -89,6 +109,9 @@ class DistillConfig(BaseModel):
             raise ValueError("kl_weight and reward_weight are both 0: nothing to learn from")
         if self.reward_weight > 0 and self.group_size < 2:
             raise ValueError("reward_weight > 0 needs group_size >= 2 (rewards are group-normalised)")
+        if self.estimator == "topk" and self.topk is None:
+            raise ValueError("estimator 'topk' needs topk: K, the number of the student's most likely tokens "
+                             "per position (>= 1)")
         if self.adaptive_mix > 0 and self.eval_every == 0:
             raise ValueError("adaptive_mix reweights prompts after each retention check: set eval_every > 0")
         return self
@@ -124,9 +147,9 @@ class DistillRun(BaseModel):
     def _check(self):
         if self.student_merge is not None and self.student != "base":
             raise ValueError("give student (a model directory) or student_merge, not both")
-        if self.teacher_servers and self.distill.estimator == "full":
-            raise ValueError("the full estimator reads teachers' hidden states in process; teacher_servers only "
-                             "return sampled-token log-probs: use estimator 'sampled'")
+        if self.teacher_servers and self.distill.estimator in ("full", "topk"):
+            raise ValueError(f"the {self.distill.estimator} estimator reads teachers' hidden states in process; "
+                             "teacher_servers only return sampled-token log-probs: use estimator 'sampled'")
         if self.teacher_servers and self.student_merge is not None:
             raise ValueError("student_merge merges the teachers' weights, which teacher_servers leaves on the servers")
         return self

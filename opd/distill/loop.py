@@ -19,20 +19,23 @@ from pathlib import Path
 
 import torch
 from opd_kernels import reverse_kl, selective_log_softmax
+from torch.utils.checkpoint import checkpoint
 
 from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_hidden
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
-from opd.distill.routing import Routes, prompt_mix
+from opd.distill.routing import Routes, prompt_mix, require_routed
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
 from opd.io import atomic_torch_save
 from opd.rl.distill_loss import (
     mix_teacher_logprobs,
     reward_mixed_advantages,
+    row_capability_weights,
     sampled_advantages,
     scatter_tokens,
     sequence_mean_loss,
+    topk_reverse_kl,
 )
 from opd.rl.distributed import (
     common_step,
@@ -89,11 +92,13 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
     tok_index[real] = torch.arange(int(real.sum()), device=real.device)
     reward_adv = group_advantages(batch.rewards).reshape(-1)  # (B,)
+    row_w = row_capability_weights(batch.row_caps, cfg.capability_weights).to(cmask.device)  # (B,)
     if cfg.estimator == "sampled":
         adv = cfg.kl_weight * sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights),
                                                  cmask)
         if cfg.reward_weight > 0:
             adv = reward_mixed_advantages(adv, reward_adv, cfg.reward_weight, cmask)
+        adv = adv * row_w[:, None]  # weights > 0 pass through GSPO's min and clip: the per-token loss x w
     elif batch.target is None:  # no stacked teachers: per-teacher hidden states, chunked kernel
         t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
@@ -106,14 +111,18 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         if cfg.estimator == "sampled":
             loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
             st.pop("kl")  # GSPO's reference-KL penalty is off here; the teacher KLs are logged as kl/<name>
-        elif batch.target is not None:
-            kl, st = _dense_kl(h, W, batch, rows, tok_index[rows][r], cfg.kernel_chunk)
-            loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m), m)
         else:
-            kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
-            loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m), m)
-        if cfg.estimator == "full" and cfg.reward_weight > 0:
-            pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows], m, cfg.eps_low, cfg.eps_high)
+            if cfg.estimator == "topk":
+                kl, st = _topk_kl(h, W, batch, rows, tok_index[rows][r], t_hidden if batch.target is None else None,
+                                  teachers, cfg.topk, cfg.kernel_chunk)
+            elif batch.target is not None:
+                kl, st = _dense_kl(h, W, batch, rows, tok_index[rows][r], cfg.kernel_chunk)
+            else:
+                kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
+            loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m) * row_w[rows][:, None], m)
+        if cfg.estimator != "sampled" and cfg.reward_weight > 0:
+            pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows] * row_w[rows], m, cfg.eps_low,
+                              cfg.eps_high)
             loss = loss + cfg.reward_weight * pg
         gn = optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
@@ -158,6 +167,42 @@ def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
     return kl, st
 
 
+def _topk_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, k: int, chunk: int):
+    """Top-k reverse KL (`topk_reverse_kl`) per real token of `rows` (n,) against the normalised
+    geometric mixture of each token's teachers, and each teacher's mean over the tokens it serves.
+
+    The mixture is the stacked path's precomputed target (`t_hidden` None) or is built here per
+    chunk from each teacher's hidden states; as in `_dense_kl`, its normaliser log_z is subtracted,
+    so with k >= V this is exactly sum_k w_k KL(pi_s || pi_k). Each chunk's (c, V) student logits are
+    recomputed in backward (checkpointed), so memory stays at one chunk's, as in the full kernels."""
+    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
+    parts = []
+    for s in range(0, h.shape[0], chunk):
+        e = min(s + chunk, h.shape[0])
+        with torch.no_grad():
+            if t_hidden is None:
+                target, log_z = batch.target[tok[s:e]], batch.log_z[tok[s:e]]  # (c, V), (c,)
+            else:
+                mixed = 0
+                for j, name in enumerate(batch.names):
+                    w = batch.weights[j, row_of_tok[s:e]]  # (c,)
+                    if (w > 0).any():
+                        zt = t_hidden[j][tok[s:e]] @ lm_head_weight(teachers[name].model).float().T  # (c, V)
+                        mixed = mixed + w[:, None] * torch.log_softmax(zt, -1)
+                log_z = torch.logsumexp(mixed, -1)
+                target = mixed - log_z[:, None]
+        kl = checkpoint(lambda hc, w_, t: topk_reverse_kl(hc.float() @ w_.float().T, t, k), h[s:e], W, target,
+                        use_reentrant=False)
+        parts.append(kl - log_z)
+    kl = torch.cat(parts)  # (n,)
+    st = {}
+    for j, name in enumerate(batch.names):
+        served = batch.weights[j, row_of_tok] > 0
+        if served.any():
+            st[f"kl/{name}"] = float(kl.detach()[served].mean())
+    return kl, st
+
+
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
 # (e.g. more steps to extend it; not under a cosine schedule, whose every lr depends on `steps`).
 RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to"}
@@ -191,8 +236,13 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
             save()
 
 
+# Fields added after runs had checkpoints: left unset they stay out of the identity, so those resume.
+UNSET_LATER_FIELDS = ("topk", "capability_weights")
+
+
 def _identity(cfg: DistillConfig) -> dict:
     exclude = RESUMABLE_FIELDS - ({"steps"} if cfg.lr_schedule != "constant" else set())
+    exclude |= {f for f in UNSET_LATER_FIELDS if getattr(cfg, f) is None}
     return cfg.model_dump(mode="json", exclude=exclude)
 
 
@@ -297,6 +347,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     """
     tracker = tracker or Tracker()
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
+    require_routed("capability_weights", cfg.capability_weights or {}, routes)
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     rank, world = init_distributed() if wrap is not None else (0, 1)

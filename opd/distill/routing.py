@@ -57,3 +57,10 @@ def prompt_mix(routes: Routes, mix: dict[str, float] | None = None,
     if total <= 0:
         raise OpdError("mix: the prompt shares sum to 0")
     return {c: v / total for c, v in raw.items()}
+
+
+def require_routed(field: str, caps, routes: Routes) -> None:
+    """Refuse capabilities named in the config field `field` that no teacher serves, in one line."""
+    unrouted = sorted(set(caps) - set(routes))
+    if unrouted:
+        raise OpdError(f"{field}: {unrouted} not among the routed capabilities {sorted(routes)}")

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import random
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -96,11 +95,36 @@ def evaluate(
     return {c: results[c] for c in capabilities}
 
 
+# lm-eval Task objects, built once per process and reused by every evaluation: building one loads
+# its held-out items into a datasets.Dataset (0.1 s per task here), the same for every model.
+# lm-eval's evaluator builds fresh requests (Instances) from a task on every run, so nothing of one
+# model's run is left for the next. Each entry keeps the capability object it was built from: a
+# capability registered anew under the same name gets its task rebuilt.
+_TASKS: dict[tuple[str, str], tuple[object, object]] = {}
+
+
+def lm_eval_tasks(capabilities: list[str], split: str) -> dict:
+    """The lm-eval Tasks that `capabilities` are scored on for `split`, by task name (built once)."""
+    from lm_eval.tasks import TaskManager
+
+    include = _include_path(capabilities)
+    names = {task_name(c, split): get_capability(c) for c in capabilities}
+    missing = [n for n, cap in names.items() if _TASKS.get((include, n), (None,))[0] is not cap]
+    if missing:
+        loaded = TaskManager(include_path=include, include_defaults=False).load(missing)["tasks"]
+        for n in missing:
+            task = loaded[n]
+            if task.get_config("num_fewshot") is None:  # what simple_evaluate does without num_fewshot
+                task.set_config(key="num_fewshot", value=0)
+            _TASKS[include, n] = (names[n], task)
+    return {n: _TASKS[include, n][1] for n in names}
+
+
 def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> dict[str, Score]:
     import datasets
-    import lm_eval
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+    from lm_eval.evaluator import evaluate as lm_eval_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     for name in ("lm-eval", "lm_eval", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -114,27 +138,26 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     # lm-eval's per-request bars would drown opd's own progress display
     lm.generate_until = functools.partial(HFLM.generate_until, lm, disable_tqdm=True)
-    include = _include_path(capabilities)
-    tm = TaskManager(include_path=include, include_defaults=False)
     names = {task_name(c, split): c for c in capabilities}
-    # simple_evaluate reseeds every RNG and returns None off LOCAL_RANK 0: evaluation must not
-    # change a training run's random stream (or a cached score would change the run), and every
-    # rank of a distributed trainer scores its own copy.
+    task_dict = {"tasks": lm_eval_tasks(capabilities, split), "groups": {}, "group_map": {}}
+    # lm-eval's evaluator itself, called as simple_evaluate calls it, with simple_evaluate's seeds but
+    # without its per-call task building and environment report (pip and git subprocesses). It
+    # answers on every rank (a model object is rank 0 of 1 to lm-eval): each rank of a distributed
+    # trainer scores its own copy. Evaluation must not change a training run's random stream (or a
+    # cached score would change the run).
     py_state, np_state = random.getstate(), np.random.get_state()
-    local_rank = os.environ.pop("LOCAL_RANK", None)
     try:
         with torch.random.fork_rng(devices=[]):
-            out = lm_eval.simple_evaluate(
-                model=lm, tasks=list(names), task_manager=tm, limit=limit, log_samples=False,
-                verbosity="ERROR",
-            )
+            random.seed(DEFAULT_RANDOM_SEED)
+            np.random.seed(DEFAULT_OTHER_SEED)
+            torch.manual_seed(DEFAULT_OTHER_SEED)
+            for task in task_dict["tasks"].values():
+                task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+            out = lm_eval_evaluate(lm=lm, task_dict=task_dict, limit=limit, log_samples=False,
+                                   fewshot_as_multiturn=True)
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-        if local_rank is not None:
-            os.environ["LOCAL_RANK"] = local_rank
-        if include != str(REPO_EVALS):  # generated task YAMLs, one directory per call
-            shutil.rmtree(include, ignore_errors=True)
     model.train(was_training)
     scores = {}
     for tname, c in names.items():

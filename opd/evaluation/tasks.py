@@ -14,8 +14,10 @@ TEMPLATE_NAME = "_opd_template.yaml"
 TEMPLATE = {
     "output_type": "generate_until",
     "test_split": "test",
-    "doc_to_text": "{{prompt}}",
-    "doc_to_target": "{{answer}}",
+    # Column names, not Jinja templates ("{{prompt}}"): the same strings, but lm-eval reads a named
+    # column straight from the doc, where it compiles a template anew for every document (1 ms each).
+    "doc_to_text": "prompt",
+    "doc_to_target": "answer",
     "process_results": "!function utils.process_results",
     "metric_list": [{"metric": "score", "aggregation": "mean", "higher_is_better": True}],
     "metadata": {"version": 1.0},

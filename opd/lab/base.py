@@ -45,6 +45,10 @@ class BaseSpec(BaseModel):
                                                "byte-level BPE trained on this spec's mixture stream")
     bpe_vocab_size: int = Field(512, gt=len(SPECIALS) + 256, le=4096,
                                 description="ids of the BPE (4 specials + 256 bytes + merges); unused with 'char'")
+    bpe_split: Literal["qwen2", "gpt2"] = Field("qwen2", description="the BPE's pre-tokenizer split: 'qwen2' "
+                                                 "(Qwen2/3's regex: every digit its own word, as Qwen and "
+                                                 "Llama split numbers) or 'gpt2' (digit runs merge, e.g. "
+                                                 "'124' -> '12','4'); unused with 'char'")
     capabilities: list[str] = Field(description="capabilities screened on validation to choose the kept checkpoint")
     scored: list[str] | None = Field(None, description="the lab's capabilities: what experts and reports score "
                                      "(default: capabilities); tasks that stay at chance are left out here")
@@ -80,7 +84,8 @@ class BaseSpec(BaseModel):
 
     def training_fields(self) -> dict:
         """The fields that determine the weights (reporting fields excluded): the build cache key."""
-        exclude = {"scored", "report_to"} | ({"bpe_vocab_size"} if self.tokenizer == "char" else set())
+        # threads: how fast, not what (a base built on 1 thread is reused on 2, and resumes there)
+        exclude = {"scored", "report_to", "threads"} | ({"bpe_vocab_size", "bpe_split"} if self.tokenizer == "char" else set())
         return self.model_dump(mode="json", exclude=exclude)
 
 
@@ -90,7 +95,7 @@ def build_tokenizer(spec: BaseSpec):
     if spec.tokenizer == "char":
         return build_char_tokenizer()
     items = MixtureStream(spec.mixture, spec.difficulty, seed=f"bpe|{spec.seed}").next_batch(BPE_CORPUS_ITEMS)
-    return train_bpe_tokenizer(items, spec.bpe_vocab_size)
+    return train_bpe_tokenizer(items, spec.bpe_vocab_size, split=spec.bpe_split)
 
 
 def same_training(stored: dict | None, spec: BaseSpec) -> bool:

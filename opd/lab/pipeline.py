@@ -117,16 +117,20 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OpdError(f"--stages: unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
-    recipe = None
-    if "experts" in stages or "merge" in stages:
-        from opd.merge import load_recipe
+    from opd.lab.base import load_base_spec
+    from opd.merge import load_recipe
 
-        recipe = load_recipe(recipe_path)  # bad input fails before hours of base training
+    recipe = load_recipe(recipe_path)  # bad input fails before hours of base training
+    base_overrides = {**recipe.train.base, **({"seed": seed} if seed is not None else {})}
+    try:  # the base stage's spec, checked now for the same reason
+        load_base_spec(**base_overrides)
+    except OpdError as e:
+        raise OpdError(f"{recipe_path}: field 'train.base': {str(e).split(': field ', 1)[-1]}") from None
     if "base" in stages:
         from opd.lab.run import build_and_report
 
         t = time.time()
-        build_and_report(overrides={"seed": seed} if seed is not None else None)
+        build_and_report(out=recipe.base, overrides=base_overrides)
         minutes["base"] = (time.time() - t) / 60
     if "experts" in stages:
         t = time.time()
@@ -134,7 +138,8 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         from opd.expert.spec import load_expert_spec
 
         specs = expert_jobs(recipe)
-        overrides = {k: str(v) for k, v in recipe.train.overrides.items()}
+        # every expert starts from the recipe's base (a BPE lab's runs/base-bpe) unless the overrides say otherwise
+        overrides = {"base": recipe.base, **{k: str(v) for k, v in recipe.train.overrides.items()}}
         if seed is not None:
             overrides["seed"] = str(seed)
         jobs = jobs or recipe.train.jobs
@@ -145,7 +150,7 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
             for spec, out in specs.values():  # a no-op when spec and base are unchanged
                 run_expert(load_expert_spec(spec, **overrides), out=out)
         minutes["experts"] = (time.time() - t) / 60
-    if recipe is not None and minutes:
+    if minutes:
         atomic_write_json(recipe.out_dir / "lab_stages.json", minutes)
     if "merge" in stages:
         from opd.merge import run_recipe

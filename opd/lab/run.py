@@ -30,10 +30,13 @@ def build_and_report(spec_path=None, out="runs/base", force=False, overrides=Non
             manifest["capabilities"] = spec.lab_capabilities
             atomic_write_json(mf, manifest)
     else:
-        with Progress(TextColumn("[bold]pre-training base"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
-                      console=console) as bar:
-            task = bar.add_task("base", total=spec.steps, loss=float("nan"))
+        from opd.display import display
+
+        # a section of the one live display: off a terminal (nohup, CI) it prints every 30 s too
+        bar = Progress(TextColumn(f"[bold]pre-training {out}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                       TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("loss {task.fields[loss]:.3f}"))
+        task = bar.add_task("base", total=spec.steps, loss=float("nan"))
+        with display.section("base", lambda: bar):
             manifest = build_base(spec, out, progress=lambda s, n, loss: bar.update(task, completed=s, loss=loss),
                                   log=console.print)
     return report_base(out, spec.lab_capabilities, LAB_BAND)

@@ -25,6 +25,10 @@ CHARS = string.digits + string.ascii_lowercase + "+-*/%=:,.#<>?|()[] \n"
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
 )
+# Qwen2/3's pre-tokenizer split, copied from transformers' models/qwen2/tokenization_qwen2.py
+# (PRETOKENIZE_REGEX): "\p{N}" makes every digit its own word.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 BPE_CORPUS_ITEMS = 20_000  # training-stream items the BPE learns its merges from (well under a second)
 
 
@@ -45,15 +49,30 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return _wrap(tok)
 
 
-def train_bpe_tokenizer(items: Iterable, vocab_size: int) -> PreTrainedTokenizerFast:
+def train_bpe_tokenizer(items: Iterable, vocab_size: int, split: str = "qwen2") -> PreTrainedTokenizerFast:
     """A byte-level BPE of `vocab_size` ids (the 4 specials, the 256 bytes, then merges) learnt from
-    lab items (`.prompt`, `.answer`). Deterministic in its input."""
+    lab items (`.prompt`, `.answer`). Deterministic in its input.
+
+    `split` is the pre-tokenizer, which decides what a merge may join. 'qwen2': Qwen2/3's own
+    (`PRETOKENIZE_REGEX` in transformers' models/qwen2/tokenization_qwen2.py, then a ByteLevel
+    without its regex, as that tokenizer builds it): every digit is its own word, so numbers are
+    spelt digit by digit, and letter runs merge. 'gpt2': GPT-2's split, where digit runs merge too
+    ("124" -> "12", "4"): the lab's arithmetic answers then take arbitrary chunkings, which a
+    1.6M-parameter model barely learns (the README's BPE section has the measurements). Both keep
+    letters, digits, punctuation and newlines in separate words, so no merge joins "=" to an answer
+    or "\n" to anything (checked below)."""
     if vocab_size <= len(SPECIALS) + 256:
         raise OpdError(f"bpe_vocab_size {vocab_size}: must exceed {len(SPECIALS) + 256} (specials + 256 bytes)")
     tok = Tokenizer(models.BPE())
-    # GPT-2's split: digit runs, letter runs, punctuation runs and whitespace are separate words, so
-    # no merge joins "=" to an answer or "\n" to anything.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split == "qwen2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif split == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise OpdError(f"bpe_split {split!r}: choose 'qwen2' or 'gpt2'")
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

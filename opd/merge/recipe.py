@@ -105,6 +105,10 @@ class LabTraining(BaseModel):
                                          "the experts as paths (experts/lab10/add) so that such experts get "
                                          "their own directory and never replace the default versions")
     jobs: int = Field(1, gt=0, description="experts trained at once, one process each (--jobs overrides)")
+    base: dict[str, Scalar] = Field(default_factory=dict, description="overrides of the lab's base spec "
+                                    "(opd/lab/base.yaml) for the lab's base stage, which builds the recipe's "
+                                    "`base` directory, e.g. {tokenizer: bpe} for a BPE lab; checked against "
+                                    "the base spec when scripts/lab.py loads the recipe")
 
     @field_validator("overrides")
     @classmethod

@@ -54,3 +54,40 @@ def scatter_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
     out[mask.bool()] = values
     return out
+
+
+def topk_reverse_kl(student_logits: torch.Tensor, teacher_lp: torch.Tensor, k: int) -> torch.Tensor:
+    """Reverse KL over the student's top-k tokens plus one tail bucket: (N, V), (N, V) -> (N,).
+
+    Per position, both distributions are coarsened to k + 1 outcomes: the student's k most likely
+    tokens (chosen without gradient) and one bucket holding the rest of each side's mass, so the
+    result is an exact KL between two (k+1)-way distributions, never negative, and 0 only where
+    they agree on the top tokens and the tail. k >= V is the full-vocabulary KL (an empty tail).
+    The gradient flows through the student's log-probs as in the full estimator's (no score function).
+
+    student_logits: the student's logits (differentiable); teacher_lp: the target's normalised
+    log-probs (a constant).
+    """
+    ls = torch.log_softmax(student_logits.float(), -1)  # (N, V)
+    lt = teacher_lp.float()
+    k = min(k, ls.shape[-1])
+    top = ls.detach().topk(k, -1).indices  # (N, k)
+    ls_top, lt_top = ls.gather(-1, top), lt.gather(-1, top)  # (N, k)
+    kl = (ls_top.exp() * (ls_top - lt_top)).sum(-1)
+    if k == ls.shape[-1]:
+        return kl
+    in_top = torch.zeros_like(ls, dtype=torch.bool).scatter(-1, top, True)  # (N, V)
+    # the tail's log-mass as a logsumexp over the other tokens, not log(1 - sum of the top), which
+    # loses every digit when the top holds nearly all the mass
+    ls_tail = ls.masked_fill(in_top, float("-inf")).logsumexp(-1)  # (N,)
+    lt_tail = lt.masked_fill(in_top, float("-inf")).logsumexp(-1)
+    return kl + ls_tail.exp() * (ls_tail - lt_tail)
+
+
+def row_capability_weights(row_caps: list[str], weights: dict[str, float] | None) -> torch.Tensor:
+    """Each row's loss weight from its capability's (`weights`, default 1), divided by the mean over
+    the rows so the batch's mean weight is 1: (B,) rows -> (B,). Every prompt has the same number of
+    rows (its group), so this is also the mean over the batch's prompts; the weights move loss between
+    capabilities without changing its overall scale (or the lr it suits)."""
+    w = torch.tensor([(weights or {}).get(c, 1.0) for c in row_caps], dtype=torch.float32)
+    return w / w.mean()
