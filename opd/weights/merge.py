@@ -72,6 +72,7 @@ def methods() -> list[Method]:
 
 @functools.cache
 def method(name: str) -> Method:
+    """One method as mergekit declares it; OpdError for a name opd does not merge with."""
     from mergekit import merge_methods as mm
     from mergekit.merge_methods.base import ParameterScope
 
