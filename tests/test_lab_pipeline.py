@@ -144,3 +144,34 @@ def test_the_shipped_bpe_lab_recipe_builds_a_bpe_base():
     recipe = load_recipe("merge_recipes/lab_bpe.yaml")
     assert recipe.base == "runs/base-bpe" and load_base_spec(**recipe.train.base).tokenizer == "bpe"
     assert all(e.startswith("experts/bpe/") for e in recipe.experts)  # never the char lab's experts
+
+
+def test_a_rerun_that_finds_the_base_up_to_date_keeps_its_minutes(tmp_path, monkeypatch):
+    """lab_stages.json (the report's minutes per stage) holds the minutes of the invocation that built
+    each stage: a no-op rerun wrote 'base 0.0' over the base's real minutes."""
+    import json
+    import time
+
+    import opd.lab.run
+
+    base = tmp_path / "runs" / "b"
+
+    def build(out, overrides):
+        if not (base / "manifest.json").exists():
+            base.mkdir(parents=True, exist_ok=True)
+            (base / "manifest.json").write_text("{}")
+            time.sleep(0.05)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(opd.lab.run, "build_and_report", build)
+    path = tmp_path / "r.yaml"
+    path.write_text(f"name: t\nbase: {base}\nexperts: [count]\nstrategies: {{linear: {{weight: 1.0}}}}\n")
+    run_lab(str(path), ["base"])
+    stages = tmp_path / "runs" / "merge" / "t" / "lab_stages.json"
+    first = json.loads(stages.read_text())["base"]
+    assert first >= 0.05 / 60
+    run_lab(str(path), ["base"])  # up to date: nothing rebuilt
+    assert json.loads(stages.read_text())["base"] == first
+    (base / "manifest.json").unlink()
+    run_lab(str(path), ["base"])  # rebuilt: this invocation's minutes
+    assert json.loads(stages.read_text())["base"] != first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -104,6 +105,16 @@ def expert_command(spec: Path, out: Path | None, overrides: dict) -> list[str]:
             *(["--out", str(out)] if out else [])]
 
 
+def manifest_stamps(dirs) -> dict[str, int | None]:
+    """Each model directory's manifest.json modification time (None when absent): a stage that
+    changed none of them found everything up to date."""
+    stamps = {}
+    for d in dirs:
+        mf = Path(d) / "manifest.json"
+        stamps[str(d)] = mf.stat().st_mtime_ns if mf.exists() else None
+    return stamps
+
+
 def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: int | None = None) -> None:
     """Run the stages in order; `jobs` (experts trained at once) defaults to the recipe's train.jobs.
     `seed` (default: the specs' own) seeds the base's pre-training and every expert's training: a
@@ -113,7 +124,6 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
 
     from opd.io import atomic_write_json
 
-    minutes = {}
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OpdError(f"--stages: unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
@@ -126,18 +136,33 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         load_base_spec(**base_overrides)
     except OpdError as e:
         raise OpdError(f"{recipe_path}: field 'train.base': {str(e).split(': field ', 1)[-1]}") from None
+    # minutes of the invocation that last built each stage: a rerun that finds a stage up to date keeps
+    # the recorded minutes instead of writing the seconds it took to check
+    stages_file = recipe.out_dir / "lab_stages.json"
+    try:
+        minutes = json.loads(stages_file.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: start the record again
+        minutes = {}
+
+    def record(stage: str, t: float, before: dict, after: dict) -> None:
+        if after != before or stage not in minutes:
+            minutes[stage] = (time.time() - t) / 60
+        atomic_write_json(stages_file, minutes)
+
     if "base" in stages:
         from opd.lab.run import build_and_report
 
-        t = time.time()
+        t, before = time.time(), manifest_stamps([recipe.base])
         build_and_report(out=recipe.base, overrides=base_overrides)
-        minutes["base"] = (time.time() - t) / 60
+        record("base", t, before, manifest_stamps([recipe.base]))
     if "experts" in stages:
-        t = time.time()
         from opd.expert.run import run_expert
         from opd.expert.spec import load_expert_spec
+        from opd.manifest import EXPERTS_DIR
 
         specs = expert_jobs(recipe)
+        outs = [out or EXPERTS_DIR / name for name, (_, out) in specs.items()]
+        t, before = time.time(), manifest_stamps(outs)
         # every expert starts from the recipe's base (a BPE lab's runs/base-bpe) unless the overrides say otherwise
         overrides = {"base": recipe.base, **{k: str(v) for k, v in recipe.train.overrides.items()}}
         if seed is not None:
@@ -149,9 +174,7 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         else:
             for spec, out in specs.values():  # a no-op when spec and base are unchanged
                 run_expert(load_expert_spec(spec, **overrides), out=out)
-        minutes["experts"] = (time.time() - t) / 60
-    if minutes:
-        atomic_write_json(recipe.out_dir / "lab_stages.json", minutes)
+        record("experts", t, before, manifest_stamps(outs))
     if "merge" in stages:
         from opd.merge import run_recipe
 
