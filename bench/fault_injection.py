@@ -184,7 +184,7 @@ def load_artifact(path: Path) -> None:
 def check_tree(root: Path, skip: set[Path] = frozenset()) -> list[str]:
     """Every artifact under `root` that exists, loaded (model directories as models): what does not load.
     Entries of unfinished atomic writes are not artifacts (see `leftovers`), nor the checkpoints in `skip`
-    (torn on purpose, not yet rewritten)."""
+    (torn on purpose, not yet rewritten), nor the torn ones a resume set aside."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -194,6 +194,8 @@ def check_tree(root: Path, skip: set[Path] = frozenset()) -> list[str]:
         return problems
     for p in sorted(root.rglob("*")):
         if any(is_temp(part) for part in p.relative_to(root).parts) or p.suffix == ".log" or p in skip:
+            continue
+        if p.stem.endswith(".torn"):  # a torn checkpoint the resume set aside (opd.io.torn_path): kept to inspect
             continue
         try:
             if p.is_file():

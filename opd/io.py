@@ -123,7 +123,16 @@ def atomic_write_file(path: str | os.PathLike, write, keep_previous: bool = Fals
         write(tmp)
         fsync_path(tmp)
         if keep_previous and path.exists():
-            os.replace(path, previous_path(path))
+            # the previous version becomes a second name of the current file (a hard link) before the
+            # new one replaces it, so `path` exists at every instant; where links are unsupported, a rename
+            prev, link = previous_path(path), Path(f"{tmp}.prev")
+            try:
+                os.link(path, link)
+                os.replace(link, prev)
+            except OSError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(link)
+                os.replace(path, prev)
         os.replace(tmp, path)
         fsync_path(path.parent)
     except BaseException:
@@ -167,6 +176,10 @@ def previous_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
+def torn_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.torn{path.suffix}")
+
+
 def load_checkpoint(path: str | os.PathLike, log=print, safe_globals: list | None = None) -> dict | None:
     """The newest readable checkpoint of `path` and its previous version (`keep_previous`), or None.
     A torn or empty file (killed mid-write on a filesystem without ordering, a full disk) is skipped
@@ -190,6 +203,10 @@ def readable_checkpoints(path: str | os.PathLike, log=print, safe_globals: list 
         except Exception as e:  # EOFError, RuntimeError (torn zip), UnpicklingError, ...
             first = (str(e).strip().splitlines() or [""])[0][:120]
             fallback = "trying the previous one" if p == path and previous_path(path).exists() else "starting fresh"
+            if p == path:  # set aside, or the next save would keep this torn file as the previous version
+                with contextlib.suppress(OSError):
+                    os.replace(p, torn_path(p))
+                    fallback = f"moved to {torn_path(p).name}; {fallback}"
             log(f"warning: checkpoint {p} is unreadable ({type(e).__name__}: {first}); {fallback}")
 
 

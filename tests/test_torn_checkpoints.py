@@ -8,7 +8,7 @@ import torch
 
 from opd.expert.spec import ExpertSpec
 from opd.expert.trainer import RunState, load_checkpoint, save_checkpoint
-from opd.io import atomic_torch_save, previous_path
+from opd.io import atomic_torch_save, previous_path, torn_path
 from opd.io import load_checkpoint as read_checkpoint
 
 
@@ -27,10 +27,35 @@ def test_io_falls_back_to_previous_then_fresh(tmp_path, how):
     warnings = []
     assert read_checkpoint(path, warnings.append) == {"step": 1}
     assert len(warnings) == 1 and "unreadable" in warnings[0] and "\n" not in warnings[0]
+    # the torn file is set aside: the next save keeps the good previous version, not the torn one
+    assert not path.exists() and torn_path(path).exists() and "state.torn.pt" in warnings[0]
+    atomic_torch_save({"step": 3}, path, keep_previous=True)
+    assert read_checkpoint(path) == {"step": 3} and torch.load(previous_path(path)) == {"step": 1}
+    _tear(path, how)
     _tear(previous_path(path), how)
     warnings.clear()
     assert read_checkpoint(path, warnings.append) is None
     assert len(warnings) == 2 and "starting fresh" in warnings[1]
+
+
+def test_the_checkpoint_exists_at_every_instant_of_a_save(tmp_path, monkeypatch):
+    """A reader polling state.pt (another rank, a test, a user's `ls`) never finds it missing: the
+    previous version is a hard link made before the new file replaces the current one."""
+    import opd.io
+
+    path = tmp_path / "state.pt"
+    atomic_torch_save({"step": 1}, path, keep_previous=True)
+    real = opd.io.os.replace
+    seen = []
+
+    def replace(src, dst):
+        seen.append(path.exists())
+        real(src, dst)
+
+    monkeypatch.setattr(opd.io.os, "replace", replace)
+    atomic_torch_save({"step": 2}, path, keep_previous=True)
+    assert seen and all(seen)
+    assert torch.load(path) == {"step": 2} and torch.load(previous_path(path)) == {"step": 1}
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])
