@@ -207,7 +207,10 @@ def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path):
     regmean._CACHE.clear()
     regmean._BOUND.clear()
     doc = mergekit_config(cand, str(lab["base"]), paths)
-    assert doc["merge_method"] == "regmean" and doc["parameters"] == shared and "base_model" not in doc
+    # the YAML pins every setting the statistics depend on, the defaults included
+    assert doc["merge_method"] == "regmean" and "base_model" not in doc
+    assert doc["parameters"] == {**shared, "inputs": "completion", "propagate": "expert", "embeddings": "average",
+                                 "norms": "average"}
     run_mergekit(doc, str(tmp_path / "out"))
     ref = load_file(tmp_path / "out" / "model.safetensors")
     assert set(ref) == set(mine)

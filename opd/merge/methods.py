@@ -392,8 +392,11 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     doc: dict[str, Any] = {"merge_method": strategy.name, "models": models, "dtype": "float32"}
     if base is not None:
         doc["base_model"] = paths[base]
-    if cand.shared:
-        doc["parameters"] = {p: _as_setting(v, base_path) for p, v in cand.shared.items()}
+    shared = dict(cand.shared)
+    if strategy.name in _data_aware():  # what its statistics are taken on: the YAML names every setting
+        shared = {**{p: v for p, v in strategy.shared.items() if v is not None}, **shared}
+    if shared:
+        doc["parameters"] = {p: _as_setting(v, base_path) for p, v in shared.items()}
     # No `tokenizer_source`: the inputs were checked to share one tokenizer (opd.paths.
     # require_same_tokenizer), so mergekit copies the donor's tokenizer files as they are, and with
     # them generation_config.json, whose eos list holds the "\n" stop. With `tokenizer_source: base`
@@ -439,6 +442,12 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
     # no model card for a search's temporary merge: writing one looks its inputs up on the Hub
     run_merge(cfg, out_dir, options=MergeOptions(device="cpu", random_seed=seed, quiet=True,
                                                  copy_tokenizer=copy_tokenizer, write_model_card=copy_tokenizer))
+
+
+def _data_aware() -> dict:
+    from opd.merge.regmean import PREPARE
+
+    return PREPARE
 
 
 def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model: dict | None = None) -> None:

@@ -20,16 +20,18 @@ which is the formula above whenever G is invertible (W̄ G G⁻¹ = W̄).
 
 Fallback: a tensor that is not a linear layer's weight (norms, embeddings, biases, anything with
 no Gram) is merged as the plain weighted average Σ c_t θ_t / Σ c_t, the paper's rule for
-everything outside its linear layers.
+everything outside its linear layers (unless `embeddings` or `norms` below say `regmean`). A tied
+lm_head is no tensor of its own: it is the embedding, averaged with it by default.
 
-Gram matrices come from forward hooks on every nn.Linear of each expert, over `prompts`
-unlabelled train-split prompts of that expert's capability (its manifest's), no answers. Each G_t
-is the mean over the prompts' tokens, so an expert whose prompts are longer does not weigh more.
-They are cached per (expert content hash, prompts) for the life of the process, so a search
-computes them once per expert. mergekit methods see tensors, not data: `prepare(paths, prompts)`
-computes (or finds) the Grams and binds them to the merge inputs' ids (expert names for the
-in-memory merge, model paths for `run_merge`); `opd.merge.methods` calls it before either path
-merges, and the method refuses, naming the input, when a Gram is missing.
+Grams come from forward hooks on every nn.Linear of each expert (and its embedding's token counts
+and its RMSNorms' input moments), over `prompts` unlabelled train-split prompts of that expert's
+capability (its manifest's), no answers. Each G_t is the mean over the tokens, so an expert whose
+sequences are longer does not weigh more. They are cached per (expert content hash, prompts,
+inputs) for the life of the process, so a search computes them once per expert. mergekit methods
+see tensors, not data: `prepare(paths, shared, per_model)` computes (or finds) the statistics and
+binds them to the merge inputs' ids (expert names for the in-memory merge, model paths for
+`run_merge`); `opd.merge.methods` calls it before either path merges, and the method refuses,
+naming the input, when a Gram is missing.
 
 Settings (the method's shared parameters; a recipe searches or fixes them, the export YAML pins them):
 
