@@ -214,8 +214,11 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     doc: dict[str, Any] = {"merge_method": m.name, "models": models, "dtype": "float32"}
     if base is not None:
         doc["base_model"] = paths[base]
-    if cand.shared:
-        doc["parameters"] = {p: _as_setting(v, base_path) for p, v in cand.shared.items()}
+    shared = dict(cand.shared)
+    if m.name in regmean.PREPARE:  # what its statistics are taken on: the YAML names every setting
+        shared = {**{p: v for p, v in m.shared.items() if v is not None}, **shared}
+    if shared:
+        doc["parameters"] = {p: _as_setting(v, base_path) for p, v in shared.items()}
     # No `tokenizer_source`: the inputs were checked to share one tokenizer (opd.paths.
     # require_same_tokenizer), so mergekit copies the donor's tokenizer files as they are, and with
     # them generation_config.json, whose eos list holds the "\n" stop. With `tokenizer_source: base`
@@ -233,7 +236,7 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
     """
     _method(cand)
-    _prepare(cand.strategy, expert_paths, cand.shared)
+    _prepare(cand.strategy, expert_paths, cand.shared, cand.per_model)
     if cand.strategy not in RANDOM_METHODS:
         return merge_in_memory(cand, base_sd, expert_sds, layout_for(base_path) if cand.layerwise else None)
     import tempfile
@@ -255,16 +258,19 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
     from mergekit.options import MergeOptions
 
     cfg = MergeConfiguration.model_validate(config)
-    _prepare(config["merge_method"], {m["model"]: m["model"] for m in config.get("models", [])}, config.get("parameters"))
+    models = config.get("models", [])
+    _prepare(config["merge_method"], {m["model"]: m["model"] for m in models}, config.get("parameters"),
+             {m["model"]: m.get("parameters") or {} for m in models})
     # no model card for a search's temporary merge: writing one looks its inputs up on the Hub
     run_merge(cfg, out_dir, options=MergeOptions(device="cpu", random_seed=seed, quiet=True,
                                                  copy_tokenizer=copy_tokenizer, write_model_card=copy_tokenizer))
 
 
-def _prepare(method: str, paths: dict[str, str], shared: dict | None) -> None:
-    """Data-aware methods (RegMean's Gram matrices) read their inputs' directories before merging."""
+def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model: dict | None = None) -> None:
+    """Data-aware methods (RegMean's Gram matrices) read their inputs' directories before merging;
+    `per_model` (input id -> its parameters) carries the importances RegMean++'s statistics depend on."""
     if method in regmean.PREPARE:
-        regmean.PREPARE[method](paths, shared or {})
+        regmean.PREPARE[method](paths, shared or {}, per_model or {})
 
 
 def merge_keys(sd: dict) -> dict:
