@@ -142,12 +142,17 @@ def _dense_kl(h, W, batch: OpdBatch, rows, tok, chunk: int):
     targets (one kernel call for all teachers), and each teacher's mean KL over the tokens it serves."""
     kl = reverse_kl(h, W, teacher_logits=batch.target[tok], chunk_size=chunk) - batch.log_z[tok]  # (n,)
     row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
+    return kl, _teacher_means(kl, batch, row_of_tok)
+
+
+def _teacher_means(kl, batch: OpdBatch, row_of_tok) -> dict[str, float]:
+    """Each teacher's mean of the per-token `kl` over the tokens it serves (the logged kl/<name>)."""
     st = {}
     for k, name in enumerate(batch.names):
         served = batch.weights[k, row_of_tok] > 0
         if served.any():
             st[f"kl/{name}"] = float(kl.detach()[served].mean())
-    return kl, st
+    return st
 
 
 def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
@@ -195,12 +200,7 @@ def _topk_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, k: int, chunk
                         use_reentrant=False)
         parts.append(kl - log_z)
     kl = torch.cat(parts)  # (n,)
-    st = {}
-    for j, name in enumerate(batch.names):
-        served = batch.weights[j, row_of_tok] > 0
-        if served.any():
-            st[f"kl/{name}"] = float(kl.detach()[served].mean())
-    return kl, st
+    return kl, _teacher_means(kl, batch, row_of_tok)
 
 
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
