@@ -9,7 +9,9 @@ Three runs from the base, each until it has sampled --tokens student tokens:
   loop     today's loop: teacher_forward=loop (one engine.score per teacher, then one more forward per
            teacher for the full estimator's hidden states), the lab10 recipe's batch (20 prompts x 4), 1 thread;
   stacked  the same settings with every teacher in one vmapped forward (the code change alone);
-  tuned    stacked with the batch and threads the new lab10 recipe uses (--prompts/--group/--threads).
+  tuned    stacked on the packed layout (opd.rl.packing: no padding, a group's prompt laid out once, each
+           teacher one forward on its own packed rows), with --prompts x --group rows per step, --updates
+           minibatch updates per step and --threads.
 Throughput counts training wall time only: the retention checks on the grid (every --grid student
 tokens, --eval-limit val items per capability, the same grid for every run) are timed and excluded.
 The min retention at each grid point is printed so that a faster loop that learns less per token shows.
@@ -77,7 +79,9 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=10_000, help="student tokens between retention checks")
     ap.add_argument("--eval-limit", type=int, default=50)
     ap.add_argument("--prompts", type=int, default=64, help="tuned run: prompts per step")
-    ap.add_argument("--group", type=int, default=1, help="tuned run: samples per prompt")
+    ap.add_argument("--group", type=int, default=4, help="tuned run: samples per prompt")
+    ap.add_argument("--updates", type=int, default=4, help="tuned run: minibatch updates per step")
+    ap.add_argument("--layout", choices=["packed", "padded"], default="packed", help="tuned run: token layout")
     ap.add_argument("--threads", type=int, default=2, help="tuned run: torch threads")
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args()
@@ -110,7 +114,8 @@ def main() -> None:
                     args.tokens, args.grid, args.eval_limit),
         "stacked": run("stacked", DistillConfig(**today), 1, base, teachers, routes, caps, refs, args.tokens,
                        args.grid, args.eval_limit),
-        "tuned": run("tuned", DistillConfig(**{**today, "prompts_per_step": args.prompts, "group_size": args.group}),
+        "tuned": run("tuned", DistillConfig(**{**today, "prompts_per_step": args.prompts, "group_size": args.group,
+                                               "updates_per_batch": args.updates, "layout": args.layout}),
                      args.threads, base, teachers, routes, caps, refs, args.tokens, args.grid, args.eval_limit),
     }
     loop = results["loop"]
@@ -120,7 +125,8 @@ def main() -> None:
         worse = [g for (g, _, a), (_, _, b) in pairs if b < a - 0.05]
         print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s; min retention on the grid "
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
-    print(f"threads: loop 1, stacked 1, tuned {args.threads}")
+    print(f"threads: loop 1, stacked 1, tuned {args.threads}; tuned: {args.prompts} prompts x {args.group}, "
+          f"{args.updates} updates per step, {args.layout} layout")
     print(f"ratio: {results['tuned']['tps'] / loop['tps']:.2f}")
 
 

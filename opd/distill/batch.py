@@ -14,6 +14,7 @@ from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens
+from opd.rl.packing import Layout, TokenRows, hidden_at, lay_out, padded_rows
 from opd.rollout import SamplingParams
 
 
@@ -37,6 +38,21 @@ class OpdBatch:
     # of its teachers (N, V), and its normaliser (N,) (sum_k w_k KL_k = KL(s || target) - log_z).
     target: torch.Tensor | None = None
     log_z: torch.Tensor | None = None
+    # Each row's token ids (the packed layout lays out any subset of rows from them) and the layout
+    # the update reads the student's hidden states in.
+    prompts: list[list[int]] | None = None
+    completions: list[list[int]] | None = None
+    pad_id: int = 0
+    layout: Layout = "padded"
+
+    def token_rows(self, rows: torch.Tensor) -> TokenRows:
+        """Rows `rows` of the batch laid out for `hidden_at`: the batch's own padded tensors (so the
+        padded layout is exactly the forward the loop always ran), or packed afresh."""
+        if self.layout == "padded":
+            return padded_rows(self.ids[rows], self.attn[rows], self.plen[rows], self.cmask[rows])
+        r = rows.tolist()
+        return lay_out([self.prompts[b] for b in r], [self.completions[b] for b in r], self.pad_id,
+                       "packed").to(self.ids.device)
 
 
 def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Random, *, prompts: int, group: int,
@@ -52,7 +68,8 @@ def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Rand
 
 @torch.no_grad()
 def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Routes, pad_id: int,
-                kernel_chunk: int = 1024, bank: TeacherBank | None = None, old_lp: bool = True) -> OpdBatch:
+                kernel_chunk: int = 1024, bank: TeacherBank | None = None, old_lp: bool = True,
+                layout: Layout = "padded") -> OpdBatch:
     """Score every student token under each routed teacher and, with `old_lp`, under the student
     itself (the GSPO ratio's old policy: the sampled estimator and a reward term need it; the full
     estimator alone does not, and skipping it saves one student forward per batch).
@@ -70,8 +87,11 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     B, T = cmask.shape
     targets = completion_targets(ids, plen, T)
     real = cmask.bool()
+    prompts, completions = [list(r.prompt_ids) for r in rollouts], [list(r.completion_ids) for r in rollouts]
+    rows = (padded_rows(ids, attn, plen, cmask) if layout == "padded"
+            else lay_out(prompts, completions, pad_id, "packed").to(device))
     if old_lp:  # the same chunked head as the update, so the first update's ratio is exactly 1
-        h = completion_hidden(student, ids, attn, plen, T)[real]  # (N, H)
+        h = hidden_at(student, rows)  # (N, H)
         old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk),
                                 cmask)
     else:
@@ -83,7 +103,10 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
             weights[k, b] = routes.get(c, {}).get(name, 0.0)
     weights = weights.to(device)
     target = log_z = None
-    if bank is not None and bank.names == names and bank.fits(int((weights > 0).sum(1).max()), T):
+    if layout == "packed" and bank is not None and bank.names == names and bank.fits_tokens(
+            int(((weights > 0).float() @ cmask.sum(1)).sum())):
+        target, log_z, teacher_lp = bank.score_packed(prompts, completions, pad_id, targets, cmask, weights)
+    elif bank is not None and bank.names == names and bank.fits(int((weights > 0).sum(1).max()), T):
         target, log_z, teacher_lp = bank.score(ids, attn, plen, targets, weights)
         teacher_lp = teacher_lp * cmask  # (K, B, T): 0 on padding, as the engines return nothing there
         target, log_z = target[real], log_z[real]  # (N, V), (N,)
@@ -98,7 +121,8 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
             for b, lps in zip(rows, scored):
                 teacher_lp[k, b, : len(lps)] = torch.tensor(lps)
     return OpdBatch(ids, attn, cmask, plen, targets, old_lp, teacher_lp.to(device), weights,
-                    rewards.to(device), row_caps, names, gen_tokens=int(cmask.sum()), target=target, log_z=log_z)
+                    rewards.to(device), row_caps, names, gen_tokens=int(cmask.sum()), target=target, log_z=log_z,
+                    prompts=prompts, completions=completions, pad_id=pad_id, layout=layout)
 
 
 @torch.no_grad()

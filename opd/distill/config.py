@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validato
 from opd.config import load_yaml_model
 from opd.errors import OpdError
 from opd.rl.distributed import DeepSpeedFragment
+from opd.rl.packing import Layout
 from opd.tracking import REPORT_TO_HELP, ReportTo
 
 Estimator = Literal["sampled", "full", "topk"]
@@ -70,6 +71,11 @@ class DistillConfig(BaseModel):
         "stacked", description="'stacked': every in-process teacher scores its rows in one vectorised forward "
         "(torch.func.vmap over stacked weights) that also gives the full estimator's targets; 'loop': one forward "
         "per teacher, and another for the full estimator (the only way for SGLang teachers, taken automatically)")
+    layout: Layout = Field("padded", description="how the student's update, the warm start and the stacked "
+                           "teachers lay out token rows: 'padded' (one right-padded row per sample) or 'packed' (no "
+                           "padding, a group's prompt once, rows of mixed lengths packed together under a block "
+                           "attention mask: the same hidden states up to float rounding at a fraction of the positions; "
+                           "see opd.rl.packing)")
     warmstart_steps: int = Field(0, ge=0, description="supervised steps on verified teacher samples before OPD "
                                  "(off-policy distillation as a warm start; 0: none)")
     warmstart_prompts: int = Field(256, gt=0, description="training prompts per capability its teacher samples "

@@ -26,7 +26,7 @@ from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
 from opd.distill.routing import Routes, prompt_mix, require_routed
 from opd.distill.teacher_bank import TeacherBank
-from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
+from opd.distill.teachers import Teacher, lm_head_weight
 from opd.io import atomic_torch_save
 from opd.rl.distill_loss import (
     mix_teacher_logprobs,
@@ -48,6 +48,7 @@ from opd.rl.distributed import (
     zero_checkpoint_globals,
 )
 from opd.rl.gspo_loss import group_advantages, gspo_loss, k3_kl, masked_mean
+from opd.rl.packing import TokenRows, hidden_at
 from opd.rollout import get_engine
 from opd.schedule import lr_at
 from opd.tracking import Tracker
@@ -71,15 +72,27 @@ class DistillState:
 
 
 class StudentHidden(torch.nn.Module):
-    """The student's forward as the loss reads it: completion hidden states, no logits. Under
-    DeepSpeed the engine wraps this module, so the loss comes from the engine's forward."""
+    """The student's forward as the loss reads it: the hidden states that predict each completion
+    token (N, H), no logits, from rows laid out by opd.rl.packing. Under DeepSpeed the engine wraps
+    this module, so the loss comes from the engine's forward."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
 
-    def forward(self, ids, attn, plen, Tc: int) -> torch.Tensor:
-        return completion_hidden(self.lm, ids, attn, plen, Tc)  # (B, Tc, H)
+    def forward(self, ids, mask, pos, index) -> torch.Tensor:
+        return hidden_at(self.lm, TokenRows(ids, mask, pos, index))  # (N, H)
+
+
+def minibatches(batch: OpdBatch, n: int) -> tuple[torch.Tensor, ...]:
+    """`n` random minibatches of row indices. Packed: whole groups (a group's prompt is laid out once),
+    which for one sample per prompt is the padded layout's row split."""
+    B = len(batch.cmask)
+    if batch.layout == "padded":
+        return torch.randperm(B).to(batch.cmask.device).chunk(n)
+    G = B // len(batch.rewards)  # rows are prompt-major, G per prompt
+    groups = torch.randperm(len(batch.rewards)).to(batch.cmask.device).chunk(n)
+    return tuple((g[:, None] * G + torch.arange(G, device=g.device)).reshape(-1) for g in groups)
 
 
 def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher], backward=None) -> dict:
@@ -103,9 +116,10 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
     # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
-    for rows in torch.randperm(len(cmask)).to(cmask.device).chunk(cfg.updates_per_batch):
+    for rows in minibatches(batch, cfg.updates_per_batch):
         m, r = cmask[rows], real[rows]
-        h = policy(batch.ids[rows], batch.attn[rows], batch.plen[rows], cmask.shape[1])[r]  # (n, H)
+        laid = batch.token_rows(rows)
+        h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (n, H)
         W = lm_head_weight(policy.lm)  # (V, H)
         new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
         if cfg.estimator == "sampled":
@@ -223,7 +237,7 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
         for g in opt.param_groups:
             g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
         batch = sample_sft_batch(state.warm_samples, mix, rng, cfg.warmstart_batch)
-        loss, n_tok = sft_loss(policy, batch, pad_id, cfg.kernel_chunk)
+        loss, n_tok = sft_loss(policy, batch, pad_id, cfg.kernel_chunk, cfg.layout)
         optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         state.warm_step += 1
         state.warm_tokens += n_tok
@@ -238,11 +252,15 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
 
 # Fields added after runs had checkpoints: left unset they stay out of the identity, so those resume.
 UNSET_LATER_FIELDS = ("topk", "capability_weights")
+# Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
+# stay out of the identity too.
+DEFAULTED_LATER_FIELDS = {"layout": "padded"}
 
 
 def _identity(cfg: DistillConfig) -> dict:
     exclude = RESUMABLE_FIELDS - ({"steps"} if cfg.lr_schedule != "constant" else set())
     exclude |= {f for f in UNSET_LATER_FIELDS if getattr(cfg, f) is None}
+    exclude |= {f for f, v in DEFAULTED_LATER_FIELDS.items() if getattr(cfg, f) == v}
     return cfg.model_dump(mode="json", exclude=exclude)
 
 
@@ -403,7 +421,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
                                      seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
         t_score = time.perf_counter()
         batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
-                            old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0)
+                            old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout)
         for g in opt.param_groups:
             g["lr"] = step_lr(cfg, state.step)
         t_update = time.perf_counter()

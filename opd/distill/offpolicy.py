@@ -19,6 +19,7 @@ from opd.distill.routing import Routes
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss
+from opd.rl.packing import Layout, lay_out, padded_rows
 from opd.rollout import SamplingParams
 
 Sample = tuple[list[int], list[int]]  # (prompt ids, completion ids)
@@ -53,14 +54,18 @@ def sample_sft_batch(samples: dict[str, list[Sample]], mix: dict[str, float], rn
     return [rng.choice(samples[c]) for c in chosen]
 
 
-def sft_loss(policy, batch: list[Sample], pad_id: int, kernel_chunk: int = 1024) -> tuple[torch.Tensor, int]:
+def sft_loss(policy, batch: list[Sample], pad_id: int, kernel_chunk: int = 1024,
+             layout: Layout = "padded") -> tuple[torch.Tensor, int]:
     """policy: the loop's `StudentHidden` (or a DeepSpeed engine wrapping one). Mean over sequences
     of the mean negative log-likelihood of each completion token (the
     sequence-mean weighting of the OPD loss); returns (loss, completion tokens)."""
     device = next(policy.parameters()).device
-    ids, attn, cmask, plen = (x.to(device) for x in pad_sequences([p for p, _ in batch], [c for _, c in batch], pad_id))
+    prompts, completions = [p for p, _ in batch], [c for _, c in batch]
+    ids, attn, cmask, plen = (x.to(device) for x in pad_sequences(prompts, completions, pad_id))
     T = cmask.shape[1]
     real = cmask.bool()
-    h = policy(ids, attn, plen, T)[real]  # (N, H)
+    laid = (padded_rows(ids, attn, plen, cmask) if layout == "padded"
+            else lay_out(prompts, completions, pad_id, "packed").to(device))
+    h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (N, H)
     lp = selective_log_softmax(h, lm_head_weight(policy.lm), completion_targets(ids, plen, T)[real], kernel_chunk)  # (N,)
     return -sequence_mean_loss(scatter_tokens(lp, cmask), cmask), int(real.sum())

@@ -18,6 +18,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.errors import OpdError
+from opd.rl.packing import lay_out
 
 # Beyond this many bytes of (K, R, T, V) teacher log-probs the loop falls back to per-teacher
 # hidden states and the chunked kernel (a real vocabulary of 150k makes the dense targets too big).
@@ -65,11 +66,16 @@ class TeacherBank:
         # matmuls and a softmax, which vmap batches.
         skeleton.config._attn_implementation = "eager"
         self.skeleton = skeleton
+        self.plain = copy.deepcopy(decoders[0]).to("meta")  # one teacher at a time: the decoder's own attention
         self.names = list(names)
 
     def fits(self, rows_per_teacher: int, T: int) -> bool:
         K, V, _ = self.heads.shape
         return K * rows_per_teacher * T * V * 4 <= DENSE_BUDGET
+
+    def fits_tokens(self, pair_tokens: int) -> bool:
+        """Whether the packed path's (teacher, token) full-vocabulary log-probs fit DENSE_BUDGET."""
+        return pair_tokens * self.heads.shape[1] * 4 <= DENSE_BUDGET
 
     def _hidden(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """(K, R, L) right-padded rows, row r of slice k for teacher k -> final hidden states (K, R, L, H)."""
@@ -79,12 +85,59 @@ class TeacherBank:
         mask = torch.zeros(allowed.shape, dtype=self.heads.dtype, device=ids.device)
         mask.masked_fill_(~allowed, torch.finfo(mask.dtype).min)  # additive, as eager attention adds it
         pos = torch.arange(L, device=ids.device).expand(ids.shape)  # right padding: positions 0..len-1
+        return self._forward(ids, mask, pos)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """ids, pos (K, R, S) and additive masks (K, R, 1, S, S), slice k for teacher k -> (K, R, S, H)."""
 
         def one(p, b, i, m, ps):
             return functional_call(self.skeleton, (p, b), (), {"input_ids": i, "attention_mask": m,
                                                                "position_ids": ps}).last_hidden_state
 
         return vmap(one)(self.params, self.buffers, ids, mask, pos)
+
+    @torch.no_grad()
+    def score_packed(self, prompts: list[list[int]], completions: list[list[int]], pad_id: int,
+                     targets: torch.Tensor, cmask: torch.Tensor, weights: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`score` on the packed layout (opd.rl.packing): each teacher's routed rows packed into its own
+        rows, a group's prompt once, those padded to one (R, S) for the stacked forward.
+
+        prompts, completions: each row's token ids; targets, cmask: (B, T); weights: (K, B).
+        Returns target (N, V) and log_z (N,) over the real tokens (row-major, as `cmask.bool()`
+        selects them), and teacher_lp (K, B, T) (0 where unrouted and on padding).
+        """
+        K, B = weights.shape
+        real = cmask.bool()
+        tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)
+        tok_index[real] = torch.arange(int(real.sum()), device=real.device)
+        laid = {}
+        for k in range(K):
+            rows = weights[k].nonzero().squeeze(1)
+            if len(rows):
+                r = rows.tolist()
+                laid[k] = (rows, lay_out([prompts[b] for b in r], [completions[b] for b in r], pad_id, "packed",
+                                         self.heads.dtype).to(weights.device))
+        hidden = {}
+        for k, (_, t) in laid.items():  # one forward per teacher on its own packed rows (no cross-teacher padding)
+            p = {n: v[k] for n, v in self.params.items()}
+            b = {n: v[k] for n, v in self.buffers.items()}
+            h = functional_call(self.plain, (p, b), (), {"input_ids": t.ids, "attention_mask": t.mask,
+                                                         "position_ids": t.pos}).last_hidden_state
+            hidden[k] = h.reshape(-1, h.shape[-1]).index_select(0, t.index)  # (n_k, H)
+        mixed = torch.zeros(int(real.sum()), self.heads.shape[1], device=weights.device)
+        teacher_lp = torch.zeros(K, B, cmask.shape[1], device=weights.device)
+        for k, (rows, _) in laid.items():
+            hk = hidden[k]
+            lp = torch.log_softmax(hk.float() @ self.heads[k].float().T, -1)  # (n_k, V)
+            sel = real[rows]  # (b, T)
+            row_of_tok = rows[:, None].expand(-1, sel.shape[1])[sel]  # (n_k,)
+            mixed.index_add_(0, tok_index[rows][sel], weights[k, row_of_tok][:, None] * lp)
+            tl = torch.zeros(sel.shape, device=weights.device)
+            tl[sel] = lp.gather(-1, targets[rows][sel][:, None])[:, 0]
+            teacher_lp[k, rows] = tl
+        log_z = torch.logsumexp(mixed, -1)  # (N,): 0 for a token with one teacher
+        return mixed - log_z[:, None], log_z, teacher_lp
 
     @torch.no_grad()
     def score(self, ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, targets: torch.Tensor,

@@ -1,0 +1,135 @@
+"""Rows of (prompt, completion) laid out for one forward that reads the hidden state predicting each
+completion token: `padded` (one right-padded row each, today's layout) or `packed` (no padding, and a
+group's prompt once).
+
+`packed` puts a prompt and its group's completions into one *document*: the prompt's tokens, then
+each completion but its last token (which predicts nothing). A custom attention mask (handed to the
+model as a 4-D mask, which transformers uses as given: `masking_utils._preprocess_mask_arguments`)
+lets a prompt token see the prompt before it and a completion token see the whole prompt and its own
+earlier tokens, never another completion; position ids restart per document and continue the prompt
+in every completion. Documents are packed first-fit into rows of one width, so a batch of short rows
+of mixed lengths costs its real tokens, not rows x the longest. The hidden states are those of one
+right-padded forward per row (same values up to float rounding, and the same gradients), at the cost
+of sum(prompt) + sum(completion - 1) positions instead of rows x max(prompt + completion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Layout = Literal["padded", "packed"]
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """ids, pos: (R, S); mask: (R, S) key padding mask (padded) or (R, 1, S, S) additive (packed);
+    index: (N,) flat position in R*S of the hidden state that predicts each completion token, rows in
+    the order given and tokens in order (the order of `cmask.bool()` selections)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pos: torch.Tensor | None
+    index: torch.Tensor
+
+    def to(self, device) -> TokenRows:
+        return TokenRows(*(None if x is None else x.to(device) for x in (self.ids, self.mask, self.pos, self.index)))
+
+
+def lay_out(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, layout: Layout,
+            dtype: torch.dtype = torch.float32) -> TokenRows:
+    """Rows (prompt_ids[b], completion_ids[b]) in the given layout (an empty completion adds no token)."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"lay_out: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if any(not p for p in prompt_ids):
+        raise ValueError("lay_out: every row needs a prompt token to condition on")
+    return (padded if layout == "padded" else packed)(prompt_ids, completion_ids, pad_id, dtype)
+
+
+def padded(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.float32) -> TokenRows:
+    """One right-padded row per (prompt, completion), positions 0..len-1 (the model's default)."""
+    L = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    ids = torch.full((len(prompt_ids), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), L), dtype=torch.long)
+    index = []
+    for b, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        ids[b, : len(p) + len(c)] = torch.tensor(list(p) + list(c))
+        mask[b, : len(p) + len(c)] = 1
+        index.extend(b * L + len(p) - 1 + t for t in range(len(c)))  # token t is predicted at plen-1+t
+    return TokenRows(ids, mask, None, torch.tensor(index, dtype=torch.long))
+
+
+def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.float32,
+           min_width: int = 64) -> TokenRows:
+    """Documents (consecutive rows with an equal prompt share one) packed first-fit into rows of width
+    max(the longest document, min(min_width, all documents together))."""
+    docs: list[list[int]] = []  # row indices of each document
+    for b, p in enumerate(prompt_ids):
+        if docs and list(prompt_ids[docs[-1][0]]) == list(p):
+            docs[-1].append(b)
+        else:
+            docs.append([b])
+    size = [len(prompt_ids[d[0]]) + sum(max(len(completion_ids[b]) - 1, 0) for b in d) for d in docs]
+    S = max(max(size), min(min_width, sum(size)))  # a small batch is one row of its own length
+    fill: list[int] = []  # used width of each packed row
+    place = [0] * len(docs)  # (row, start) of each document, flattened as row * S + start
+    for i in sorted(range(len(docs)), key=lambda i: -size[i]):  # first-fit decreasing
+        r = next((r for r, f in enumerate(fill) if f + size[i] <= S), None)
+        if r is None:
+            r = len(fill)
+            fill.append(0)
+        place[i] = r * S + fill[r]
+        fill[r] += size[i]
+    R = len(fill)
+    ids = torch.full((R * S,), pad_id, dtype=torch.long)
+    pos = torch.zeros(R * S, dtype=torch.long)
+    doc = -1 - torch.arange(R * S)  # padding: a document of its own (it sees only itself)
+    seg = torch.zeros(R * S, dtype=torch.long)  # 0: prompt; g + 1: the group's g-th completion
+    first = [0] * len(prompt_ids)  # flat position that predicts each row's first completion token
+    start = [0] * len(prompt_ids)  # flat position of each row's completion tokens (all but the last)
+    for i, d in enumerate(docs):
+        p, at = list(prompt_ids[d[0]]), place[i]
+        ids[at : at + len(p)] = torch.tensor(p)
+        pos[at : at + len(p)] = torch.arange(len(p))
+        doc[at : at + len(p)] = i
+        at += len(p)
+        end = at - 1  # the prompt's last token predicts every completion's first token
+        for g, b in enumerate(d):
+            c = list(completion_ids[b])[:-1]
+            first[b], start[b] = end, at
+            ids[at : at + len(c)] = torch.tensor(c, dtype=torch.long)
+            pos[at : at + len(c)] = len(p) + torch.arange(len(c))
+            doc[at : at + len(c)], seg[at : at + len(c)] = i, g + 1
+            at += len(c)
+    index = []
+    for b, c in enumerate(completion_ids):
+        # token 0 from the prompt's last position, token t >= 1 from the completion's token t-1
+        index.extend(([first[b]] if c else []) + [start[b] + t for t in range(len(c) - 1)])
+    ids, pos, doc, seg = (x.view(R, S) for x in (ids, pos, doc, seg))
+    causal = torch.tril(torch.ones(S, S, dtype=torch.bool))
+    same_doc = doc[:, :, None] == doc[:, None, :]  # (R, S, S): query x key
+    visible = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])  # the prompt, or its own completion
+    allowed = causal & same_doc & visible
+    mask = torch.zeros((R, 1, S, S), dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return TokenRows(ids, mask, pos, torch.tensor(index, dtype=torch.long))
+
+
+
+def padded_rows(ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, cmask: torch.Tensor) -> TokenRows:
+    """Right-padded (B, L) rows as `TokenRows`: completion token t of row b is predicted at b*L + plen_b-1+t."""
+    B, L = ids.shape
+    at = torch.arange(B, device=ids.device)[:, None] * L + plen[:, None] - 1 + torch.arange(cmask.shape[1],
+                                                                                          device=ids.device)
+    return TokenRows(ids, attn, None, at[cmask.bool()])
+
+
+def hidden_at(model, rows: TokenRows) -> torch.Tensor:
+    """Final (post-norm) hidden states that predict each completion token: (N, H). Reading hidden
+    states instead of logits lets the chunked kernels apply the LM head piecewise."""
+    mask = rows.mask
+    if mask.is_floating_point():  # an additive mask in the model's compute dtype (bf16 under DeepSpeed)
+        mask = mask.to(model.get_input_embeddings().weight.dtype)
+    h = model.get_decoder()(input_ids=rows.ids, attention_mask=mask, position_ids=rows.pos).last_hidden_state
+    return h.reshape(-1, h.shape[-1]).index_select(0, rows.index)  # backward: index_add, not index_put

@@ -1,0 +1,134 @@
+"""The packed token layout (opd.rl.packing): the same hidden states and gradients as one right-padded
+row per sample, for the student's update, the warm start and the stacked teachers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from opd.distill.batch import build_batch
+from opd.distill.config import DistillConfig
+from opd.distill.loop import StudentHidden, _identity, minibatches, opd_step
+from opd.distill.offpolicy import sft_loss
+from opd.distill.routing import resolve_routes
+from opd.distill.teacher_bank import TeacherBank
+from opd.distill.teachers import completion_hidden
+from opd.rl.batch import pad_sequences
+from opd.rl.packing import hidden_at, lay_out
+from opd.rollout import Rollout
+from tests.test_distill_fast import _teachers
+
+# Three groups: a prompt with three samples (one of a single token), a prompt of one token with
+# one sample, and a prompt with two; lengths mixed so padding and packing differ.
+P = [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [9], [10, 11, 12], [10, 11, 12]]
+C = [[14, 15, 16], [17], [18, 19], [20, 21, 22, 23, 24], [25, 26], [27, 28, 29]]
+
+
+def _padded_hidden(model, prompts, completions, pad_id):
+    ids, attn, cmask, plen = pad_sequences(prompts, completions, pad_id)
+    return completion_hidden(model, ids, attn, plen, cmask.shape[1])[cmask.bool()]
+
+
+def test_packed_hidden_states_and_gradients_equal_the_padded_rows(pico_model, tokenizer):
+    pad = tokenizer.pad_token_id
+    ref = _padded_hidden(pico_model, P, C, pad)
+    grads = {}
+    for layout in ("padded", "packed"):
+        rows = lay_out(P, C, pad, layout)
+        h = hidden_at(pico_model, rows)
+        torch.testing.assert_close(h, ref, atol=1e-5, rtol=0)
+        pico_model.zero_grad()
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        grads[layout] = [p.grad.clone() for p in pico_model.parameters()]
+    for a, b in zip(grads["padded"], grads["packed"]):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_a_group_prompt_is_laid_out_once_and_completions_never_see_each_other(pico_model, tokenizer):
+    pad = tokenizer.pad_token_id
+    rows = lay_out(P, C, pad, "packed")
+    real = int((rows.ids != pad).sum())
+    # three distinct prompts once each, then every completion but its last token
+    assert real == 4 + 1 + 3 + sum(len(c) - 1 for c in C)
+    assert rows.ids.numel() < lay_out(P, C, pad, "padded").ids.numel()
+    base = hidden_at(pico_model, rows)
+    # change the first group's second sample: its own hidden states move, its siblings' do not
+    C2 = [C[0], [31], C[2], *C[3:]]
+    P2, C3 = P, [C2[0], [31, 32, 33], *C2[2:]]
+    moved = hidden_at(pico_model, lay_out(P2, C3, pad, "packed"))
+    n0, n1 = len(C[0]), len(C3[1])
+    torch.testing.assert_close(moved[:n0], base[:n0], atol=1e-6, rtol=0)  # sibling before it
+    tail_old, tail_new = base[n0 + len(C[1]):], moved[n0 + n1:]
+    torch.testing.assert_close(tail_new, tail_old, atol=1e-6, rtol=0)  # siblings and other groups after it
+    assert not torch.allclose(moved[n0 + 1 : n0 + n1], torch.zeros_like(moved[n0 + 1 : n0 + n1]))
+
+
+def test_rows_of_empty_completions_and_bad_input():
+    rows = lay_out([[5, 6], [7]], [[], [8, 9]], 0, "packed")
+    assert rows.index.tolist() == [2, 3]  # row 1's prompt ends at flat position 2: no token from row 0
+    with pytest.raises(ValueError, match="prompt token"):
+        lay_out([[]], [[1]], 0, "packed")
+    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+        lay_out([[1], [2]], [[3]], 0, "padded")
+
+
+def _batch(student, teachers, tokenizer, layout, bank=True, old_lp=False):
+    routes = resolve_routes({n: t.capability for n, t in teachers.items()})
+    routes["count"] = {"t0": 0.5, "t1": 0.5}  # one capability with a mixed target
+    caps = ["count", "rev", "sort"]
+    items = [type("I", (), {"capability": c, "answer": "x"}) for c in caps]
+    groups, b = [], 0
+    for g in (3, 1, 2):  # the groups of P, C
+        groups.append([Rollout("p", P[b + j], C[b + j], "a", [0.0] * len(C[b + j])) for j in range(g)])
+        b += g
+    # build_batch wants equal groups for the reward tensor: pad each to 3 samples of its prompt
+    groups = [g + [Rollout("p", g[0].prompt_ids, [40 + i], "a", [0.0]) for i in range(3 - len(g))] for g in groups]
+    return build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id,
+                       bank=TeacherBank(teachers, sorted(teachers)) if bank else None, old_lp=old_lp, layout=layout)
+
+
+def test_packed_teacher_scores_equal_the_padded_bank(pico_model, tokenizer):
+    teachers = _teachers(pico_model, tokenizer)
+    padded = _batch(pico_model, teachers, tokenizer, "padded", old_lp=True)
+    packed = _batch(pico_model, teachers, tokenizer, "packed", old_lp=True)
+    for name in ("target", "log_z", "teacher_lp", "old_lp"):
+        torch.testing.assert_close(getattr(packed, name), getattr(padded, name), atol=1e-5, rtol=0)
+    assert float(packed.log_z.abs().max()) > 1e-3  # the mixed capability's normaliser is there
+
+
+def test_packed_update_equals_the_padded_update(pico_model, tokenizer):
+    """One sample per prompt: the same minibatches, so the same loss and weights up to float rounding;
+    groups of three: whole groups per minibatch."""
+    teachers = _teachers(pico_model, tokenizer)
+    cfg = DistillConfig(estimator="full", updates_per_batch=1)
+    out = {}
+    for layout in ("padded", "packed"):
+        student = copy.deepcopy(pico_model)
+        batch = _batch(student, teachers, tokenizer, layout)
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+        torch.manual_seed(0)
+        out[layout] = (opd_step(StudentHidden(student), opt, batch, cfg, teachers), student.state_dict())
+    assert out["packed"][0]["loss"] == pytest.approx(out["padded"][0]["loss"], rel=1e-5)
+    for k, v in out["padded"][1].items():
+        torch.testing.assert_close(out["packed"][1][k], v, atol=1e-5, rtol=1e-4)
+    batch = _batch(pico_model, teachers, tokenizer, "packed")
+    torch.manual_seed(0)
+    for rows in minibatches(batch, 2):
+        assert len(rows) % 3 == 0 and all(set(range(r // 3 * 3, r // 3 * 3 + 3)) <= set(rows.tolist())
+                                          for r in rows.tolist())
+
+
+def test_packed_warm_start_loss_equals_the_padded_one(pico_model, tokenizer):
+    pairs = list(zip(P, C))
+    policy = StudentHidden(pico_model)
+    losses = {layout: sft_loss(policy, pairs, tokenizer.pad_token_id, layout=layout) for layout in ("padded", "packed")}
+    assert losses["packed"][1] == losses["padded"][1] == sum(len(c) for c in C)
+    assert float(losses["packed"][0].detach()) == pytest.approx(float(losses["padded"][0].detach()), rel=1e-5)
+
+
+def test_layout_padded_resumes_checkpoints_written_before_the_field():
+    """Runs from before `layout` existed were padded: left at padded, the identity omits the field."""
+    assert "layout" not in _identity(DistillConfig())
+    assert _identity(DistillConfig(layout="packed"))["layout"] == "packed"
