@@ -44,30 +44,33 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
     torch.set_num_threads(threads)
     student = AutoModelForCausalLM.from_pretrained(base, dtype="float32")
     tok = AutoTokenizer.from_pretrained(base)
-    curve, spent = [], {"eval": 0.0, "next": grid}
+    curve, spent = [], {"eval": 0.0, "eval_cpu": 0.0, "next": grid}
 
     def progress(state, rec):
         if state.gen_tokens >= spent["next"]:
-            t = time.time()
+            t, c = time.time(), time.process_time()
             scores = {c: s.score for c, s in evaluate(student, tok, caps, "val", limit=eval_limit).items()}
             student.train()
             spent["eval"] += time.time() - t
+            spent["eval_cpu"] += time.process_time() - c
             curve.append((spent["next"], state.gen_tokens, retention_record(scores, refs)["min_retention"]))
             spent["next"] += grid
 
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     state = distill(cfg, student, tok, teachers, routes, log=lambda *_: None, progress=progress,
                     stop=lambda rec: rec["gen_tokens"] >= tokens)
     train_s = time.time() - t0 - spent["eval"]
+    cpu_s = time.process_time() - c0 - spent["eval_cpu"]
     tps = state.gen_tokens / train_s
     phases = {p: sum(r.get(f"time/{p}", 0.0) for r in state.history) for p in ("sample", "score", "update")}
     total = sum(phases.values()) or 1.0
     print(f"{label:8s} threads {threads}  {state.step} steps  {state.gen_tokens} student tokens in {train_s:.1f} s "
-          f"training -> {tps:.0f} tokens/s;  min val retention on the grid: "
+          f"training ({cpu_s:.1f} s CPU over {threads} thread(s)) -> {tps:.0f} tokens/s;  min val retention on the grid: "
           + ", ".join(f"{g}:{r:.2f}" for g, _, r in curve), flush=True)
     print(f"{'':8s} step time: " + ", ".join(f"{p} {v / total:.0%}" for p, v in phases.items())
           + " (student sampling / teacher and old-policy scoring / update)", flush=True)
-    return {"tps": tps, "curve": curve, "steps": state.step, "tokens": state.gen_tokens, "seconds": train_s}
+    return {"tps": tps, "cpu_tps": state.gen_tokens / cpu_s, "curve": curve, "steps": state.step,
+            "tokens": state.gen_tokens, "seconds": train_s}
 
 
 def main() -> None:
