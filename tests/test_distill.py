@@ -96,15 +96,16 @@ def _exact_kl(student, teacher, tok, prompts: list[str]) -> float:
         return float(reverse_kl(hs, w_s, ht, w_t).mean())
 
 
-@pytest.mark.parametrize("estimator", ["sampled", "full"])
-def test_opd_lowers_student_kl_to_teacher(trained_pico_dir, tokenizer, estimator):
+@pytest.mark.parametrize("estimator,layout", [("sampled", "padded"), ("full", "padded"), ("full", "packed"),
+                                              ("sampled", "packed")])
+def test_opd_lowers_student_kl_to_teacher(trained_pico_dir, tokenizer, estimator, layout):
     from transformers import AutoModelForCausalLM
 
     teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
     student = build_model(PICO, tokenizer, seed=0)
     prompts = ["#a:abca=", "#b:bbdd=", "#c:acdcab=", "#d:ddda="]
     before = _exact_kl(student, teacher, tokenizer, prompts)
-    cfg = DistillConfig(estimator=estimator, steps=30, lr=3e-3, prompts_per_step=8, group_size=4)
+    cfg = DistillConfig(estimator=estimator, steps=30, lr=3e-3, prompts_per_step=8, group_size=4, layout=layout)
     teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
     state = distill(cfg, student, tokenizer, teachers, resolve_routes({"count": "count"}), log=lambda *_: None)
     after = _exact_kl(student, teacher, tokenizer, prompts)

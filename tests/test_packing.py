@@ -132,4 +132,3 @@ def test_layout_padded_resumes_checkpoints_written_before_the_field():
     """Runs from before `layout` existed were padded: left at padded, the identity omits the field."""
     assert "layout" not in _identity(DistillConfig())
     assert _identity(DistillConfig(layout="packed"))["layout"] == "packed"
-

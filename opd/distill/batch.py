@@ -88,9 +88,9 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     targets = completion_targets(ids, plen, T)
     real = cmask.bool()
     prompts, completions = [list(r.prompt_ids) for r in rollouts], [list(r.completion_ids) for r in rollouts]
-    rows = (padded_rows(ids, attn, plen, cmask) if layout == "padded"
-            else lay_out(prompts, completions, pad_id, "packed").to(device))
     if old_lp:  # the same chunked head as the update, so the first update's ratio is exactly 1
+        rows = (padded_rows(ids, attn, plen, cmask) if layout == "padded"
+                else lay_out(prompts, completions, pad_id, "packed").to(device))
         h = hidden_at(student, rows)  # (N, H)
         old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk),
                                 cmask)
