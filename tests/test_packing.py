@@ -132,3 +132,17 @@ def test_layout_padded_resumes_checkpoints_written_before_the_field():
     """Runs from before `layout` existed were padded: left at padded, the identity omits the field."""
     assert "layout" not in _identity(DistillConfig())
     assert _identity(DistillConfig(layout="packed"))["layout"] == "packed"
+
+
+def test_bench_packed_layout_runs_on_a_pico_base(pico_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_packed_layout.py"
+    out = subprocess.run([sys.executable, str(bench), "--base", str(pico_dir), "--steps", "2", "--batch", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "torch threads 1" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("ratio: ")
+    bad = subprocess.run([sys.executable, str(bench), "--base", str(pico_dir / "nope")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--base" in bad.stderr and "Traceback" not in bad.stderr
