@@ -11,9 +11,12 @@ Three runs from the base, each until it has sampled --tokens student tokens:
   stacked  the same settings with every teacher in one vmapped forward (the code change alone);
   tuned    stacked on the packed layout (opd.rl.packing: no padding, a group's prompt laid out once, each
            teacher one forward on its own packed rows), with --prompts x --group rows per step, --updates
-           minibatch updates per step and --threads.
-Throughput counts training wall time only: the retention checks on the grid (every --grid student
-tokens, --eval-limit val items per capability, the same grid for every run) are timed and excluded.
+           minibatch updates per step and --threads per process; with --ranks N it runs data-parallel
+           under DeepSpeed ZeRO-2 on N CPU ranks (torchrun, gloo), each rank sampling --prompts / N of
+           the step's prompts, gradients averaged: the same step as one process, on N cores.
+Throughput counts the steps' own wall time (sampling, scoring, update: each step's time/* record); the
+retention checks on the grid (every --grid student tokens, --eval-limit val items per capability, the same
+grid for every run) and a DeepSpeed engine's start-up are excluded.
 The min retention at each grid point is printed so that a faster loop that learns less per token shows.
 The last line is `ratio: N.NN`, tuned / loop student tokens per second.
 """
@@ -22,7 +25,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +41,9 @@ LAB10 = ["add", "sub", "mod", "rev", "sort", "count", "max", "shift", "dedup", "
 
 
 def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, tokens: int, grid: int,
-        eval_limit: int) -> dict:
+        eval_limit: int, wrap=None) -> dict:
+    """One run from the base until `tokens` student tokens. Under `wrap` (DeepSpeed, several ranks) rank 0
+    alone runs the retention checks and prints; the others wait for it in the next collective."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.distill import distill
@@ -45,9 +54,10 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
     student = AutoModelForCausalLM.from_pretrained(base, dtype="float32")
     tok = AutoTokenizer.from_pretrained(base)
     curve, spent = [], {"eval": 0.0, "eval_cpu": 0.0, "next": grid}
+    rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
 
     def progress(state, rec):
-        if state.gen_tokens >= spent["next"]:
+        if rank == 0 and state.gen_tokens >= spent["next"]:
             t, c = time.time(), time.process_time()
             scores = {c: s.score for c, s in evaluate(student, tok, caps, "val", limit=eval_limit).items()}
             student.train()
@@ -58,19 +68,50 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
 
     t0, c0 = time.time(), time.process_time()
     state = distill(cfg, student, tok, teachers, routes, log=lambda *_: None, progress=progress,
-                    stop=lambda rec: rec["gen_tokens"] >= tokens)
-    train_s = time.time() - t0 - spent["eval"]
+                    stop=lambda rec: rec["gen_tokens"] >= tokens, wrap=wrap)
     cpu_s = time.process_time() - c0 - spent["eval_cpu"]
-    tps = state.gen_tokens / train_s
     phases = {p: sum(r.get(f"time/{p}", 0.0) for r in state.history) for p in ("sample", "score", "update")}
-    total = sum(phases.values()) or 1.0
-    print(f"{label:8s} threads {threads}  {state.step} steps  {state.gen_tokens} student tokens in {train_s:.1f} s "
-          f"training ({cpu_s:.1f} s CPU over {threads} thread(s)) -> {tps:.0f} tokens/s;  min val retention on the grid: "
+    # the steps' own seconds: the same measure for every run, without a DeepSpeed engine's start-up
+    # (it may build a C++ op) or the checks on the grid
+    train_s = sum(phases.values())
+    tps = state.gen_tokens / train_s
+    wall_s = time.time() - t0 - spent["eval"]
+    out = {"tps": tps, "cpu_tps": state.gen_tokens / cpu_s, "curve": curve, "steps": state.step,
+           "tokens": state.gen_tokens, "seconds": train_s}
+    if rank:
+        return out
+    ranks = f" x {os.environ['WORLD_SIZE']} ranks" if wrap is not None else ""
+    on = " on rank 0" if ranks else ""
+    print(f"{label:8s} threads {threads}{ranks}  {state.step} steps  {state.gen_tokens} student tokens in "
+          f"{train_s:.1f} s of steps ({wall_s:.1f} s wall without the checks; {cpu_s:.1f} s CPU over {threads} "
+          f"thread(s){on}) -> {tps:.0f} tokens/s;  min val retention on the grid: "
           + ", ".join(f"{g}:{r:.2f}" for g, _, r in curve), flush=True)
-    print(f"{'':8s} step time: " + ", ".join(f"{p} {v / total:.0%}" for p, v in phases.items())
+    print(f"{'':8s} step time: " + ", ".join(f"{p} {v / train_s:.0%}" for p, v in phases.items())
           + " (student sampling / teacher and old-policy scoring / update)", flush=True)
-    return {"tps": tps, "cpu_tps": state.gen_tokens / cpu_s, "curve": curve, "steps": state.step,
-            "tokens": state.gen_tokens, "seconds": train_s}
+    return out
+
+
+def tuned_config(args, today: dict, ranks: int):
+    from opd.distill import DistillConfig
+
+    return DistillConfig(**{**today, "prompts_per_step": args.prompts // ranks, "group_size": args.group,
+                            "updates_per_batch": args.updates, "layout": args.layout})
+
+
+def tuned_ranks(args, base: str, names: list[str]) -> dict:
+    """The tuned run on --ranks CPU ranks: this script again under torchrun, one process a rank, rank 0
+    writing its result to a JSON file."""
+    out = Path(tempfile.mkdtemp(prefix="opd-bench-ranks-")) / "tuned.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks)]
+    cmd = [*torchrun, __file__, "--worker-out", str(out), "--base", base, "--experts", ",".join(names),
+           *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+             if k in ("tokens", "grid", "eval_limit", "prompts", "group", "updates", "layout", "threads", "lr",
+                      "ranks"))]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    subprocess.run(cmd, check=True, env=env)
+    result = json.loads(out.read_text())
+    shutil.rmtree(out.parent, True)
+    return result
 
 
 def main() -> None:
@@ -85,9 +126,14 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="tuned run: samples per prompt")
     ap.add_argument("--updates", type=int, default=4, help="tuned run: minibatch updates per step")
     ap.add_argument("--layout", choices=["packed", "padded"], default="packed", help="tuned run: token layout")
-    ap.add_argument("--threads", type=int, default=2, help="tuned run: torch threads")
+    ap.add_argument("--threads", type=int, default=1, help="tuned run: torch threads per process")
+    ap.add_argument("--ranks", type=int, default=1, help="tuned run: data-parallel CPU ranks (DeepSpeed ZeRO-2, "
+                    "torchrun); --prompts must divide by it")
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args()
+    if args.ranks < 1 or args.prompts % args.ranks:
+        ap.error(f"--ranks {args.ranks}: must be >= 1 and divide --prompts {args.prompts}")
 
     from transformers import AutoTokenizer
 
@@ -108,18 +154,27 @@ def main() -> None:
     routes = resolve_routes({n: t.capability for n, t in teachers.items()})
     caps = list(routes)
     refs = teacher_references(routes, manifests)
-    print(f"{len(teachers)} teachers; capabilities {caps}; {args.tokens} student tokens per run, retention grid "
-          f"every {args.grid}", flush=True)
     today = dict(estimator="full", lr=args.lr, prompts_per_step=20, group_size=4, updates_per_batch=2,
                  steps=10**6, seed=0)
+    if args.worker_out:  # one rank of tuned_ranks
+        from opd.rl.distributed import deepspeed_wrap
+
+        cfg = tuned_config(args, today, args.ranks)
+        r = run("tuned", cfg, args.threads, base, teachers, routes, caps, refs, args.tokens, args.grid,
+                args.eval_limit, wrap=deepspeed_wrap(cfg.grad_clip))
+        if os.environ["RANK"] == "0":
+            Path(args.worker_out).write_text(json.dumps(r))
+        return
+    print(f"{len(teachers)} teachers; capabilities {caps}; {args.tokens} student tokens per run, retention grid "
+          f"every {args.grid}; load average {os.getloadavg()[0]:.2f}", flush=True)
     results = {
         "loop": run("loop", DistillConfig(**today, teacher_forward="loop"), 1, base, teachers, routes, caps, refs,
                     args.tokens, args.grid, args.eval_limit),
         "stacked": run("stacked", DistillConfig(**today), 1, base, teachers, routes, caps, refs, args.tokens,
                        args.grid, args.eval_limit),
-        "tuned": run("tuned", DistillConfig(**{**today, "prompts_per_step": args.prompts, "group_size": args.group,
-                                               "updates_per_batch": args.updates, "layout": args.layout}),
-                     args.threads, base, teachers, routes, caps, refs, args.tokens, args.grid, args.eval_limit),
+        "tuned": (tuned_ranks(args, base, names) if args.ranks > 1 else
+                  run("tuned", tuned_config(args, today, 1), args.threads, base, teachers, routes, caps, refs,
+                      args.tokens, args.grid, args.eval_limit)),
     }
     loop = results["loop"]
     for label in ("stacked", "tuned"):
@@ -128,8 +183,9 @@ def main() -> None:
         worse = [g for (g, _, a), (_, _, b) in pairs if b < a - 0.05]
         print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s; min retention on the grid "
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
-    print(f"threads: loop 1, stacked 1, tuned {args.threads}; tuned: {args.prompts} prompts x {args.group}, "
-          f"{args.updates} updates per step, {args.layout} layout")
+    print(f"threads: loop 1, stacked 1, tuned {args.threads} x {args.ranks} rank(s); tuned: {args.prompts} prompts x "
+          f"{args.group}, {args.updates} updates per step, {args.layout} layout; load average "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"ratio: {results['tuned']['tps'] / loop['tps']:.2f}")
 
 

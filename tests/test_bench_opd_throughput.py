@@ -1,0 +1,30 @@
+"""bench/bench_opd_throughput.py --quick: its three runs on pico teachers, the tuned one on two CPU ranks."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_opd_throughput.py"
+
+
+def test_quick_runs_the_tuned_loop_on_two_ranks():
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--ranks", "2", "--tokens", "1500", "--grid", "750"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    tuned = next(line for line in lines if line.startswith("tuned "))
+    assert "threads 1 x 2 ranks" in tuned
+    # both ranks' tokens counted, and rank 0 ran the checks on the same grid as the one-process runs
+    tokens = {line.split()[0]: int(re.search(r"(\d+) student tokens", line)[1]) for line in lines
+              if re.match(r"(loop|stacked|tuned) +threads", line)}
+    assert set(tokens) == {"loop", "stacked", "tuned"} and min(tokens.values()) >= 1500
+    assert tuned.count(":") >= 2 and "750:" in tuned
+    assert re.fullmatch(r"ratio: \d+\.\d\d", lines[-1])
+
+
+def test_ranks_must_divide_the_prompts():
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--ranks", "3"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--ranks 3: must be >= 1 and divide --prompts 64" in out.stderr
