@@ -64,6 +64,9 @@ CASES = [  # shared and per-expert values, a randomised method (run through run_
      {"weight": 0.9, "density": LayerValues(embed=0.6, blocks=(0.2, 1.0), head=0.7)}),
     ("dare_ties", {}, {"weight": LayerValues(embed=1.0, blocks=(0.5, 1.0), head=0.8), "density": 0.5}),
     ("linear", {}, {"weight": LayerValues(embed=0.6, blocks=(0.2, 1.0, 0.5, 0.1, 0.3), head=0.7)}),
+    # opd's data-aware method, data-free on the first block only: its Grams are read for the others
+    ("wudi", {"data": LayerValues(embed=0.0, blocks=(0.0, 3.0), head=0.0), "prompts": 4, "inputs": "prompt"},
+     {"weight": LayerValues(embed=1.0, blocks=(0.5, 1.0), head=0.8)}),
 ]
 
 

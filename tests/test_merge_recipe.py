@@ -58,6 +58,7 @@ def test_layerwise_spec_validates(tmp_path):
     ("strategies.nope={}", "'nope' is unknown"),
     ("strategies.ties.t=0.5", "has no parameter 't'"),
     ("strategies.slerp={}", "needs a value or range for 't'"),
+    ("strategies.regmean={inputs: answers}", "'inputs' = 'answers': Input should be 'prompt' or 'completion'"),
     ("budget.n_trials=null", "give n_trials, timeout_s"),
     ("capabilities=[nosuchcap]", "nosuchcap"),
     ("noequals", "expected key=value"),

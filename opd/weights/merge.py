@@ -5,8 +5,9 @@ becomes either an in-memory `mergekit.merge_methods.merge_state_dicts` call (the
 or a mergekit YAML that `mergekit-yaml` / `run_merge` reproduces tensor for tensor.
 
 The methods are mergekit's own and opd's: the subspace merges `tsv_m`, `iso_c`, `iso_cts`
-(opd.weights.subspace) and the data-aware `regmean` (opd.weights.regmean), registered with mergekit
-when this module is imported: a separate `mergekit-yaml` process does not know them, `run_mergekit`
+(opd.weights.subspace), the data-aware `regmean` (opd.weights.regmean) and `wudi`
+(opd.weights.wudi, data-free unless its `data` is set), registered with mergekit when this module
+is imported: a separate `mergekit-yaml` process does not know them, `run_mergekit`
 here does. The search's strategies (opd.merge.strategies) and a distillation student started from
 a merge (opd.distill.run) both merge through here.
 """
@@ -22,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
-from opd.weights import regmean, subspace
+from opd.weights import regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
 
 BASE_ID = "base"
@@ -38,6 +39,7 @@ METHOD_INPUTS = {
     "nuslerp": "base+experts",
     "tsv_m": "base+experts", "iso_c": "base+experts", "iso_cts": "base+experts",  # opd.weights.subspace
     "regmean": "experts",  # opd.weights.regmean
+    "wudi": "base+experts",  # opd.weights.wudi
     "slerp": "pair", "nearswap": "pair", "arcee_fusion": "pair",
 }
 # Methods whose result depends on torch's global RNG (DARE's random drop, DELLA's sampling).
@@ -45,9 +47,13 @@ RANDOM_METHODS = {"dare_ties", "dare_linear", "della", "della_linear"}
 # Required per-model parameters get a neutral value when a recipe leaves them out.
 _REQUIRED_DEFAULTS = {"weight": 1.0}
 # opd's own methods: registered with mergekit here, so that both merge paths find them.
-OPD_METHODS = tuple(m.spec.name for m in (*subspace.METHODS, *regmean.METHODS))
+OPD_METHODS = tuple(m.spec.name for m in (*subspace.METHODS, *regmean.METHODS, *wudi.METHODS))
 subspace.register_methods()
 regmean.register_methods()
+wudi.register_methods()
+# Data-aware methods: method -> hook(paths, shared, per_model) that reads the experts' directories
+# (RegMean's Gram matrices) before either merge path runs.
+PREPARE = {**regmean.PREPARE, **wudi.PREPARE}
 
 
 @dataclass(frozen=True)
@@ -215,7 +221,7 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     if base is not None:
         doc["base_model"] = paths[base]
     shared = dict(cand.shared)
-    if m.name in regmean.PREPARE:  # what its statistics are taken on: the YAML names every setting
+    if m.name in PREPARE:  # what its statistics are taken on: the YAML names every setting
         shared = {**{p: v for p, v in m.shared.items() if v is not None}, **shared}
     if shared:
         doc["parameters"] = {p: _as_setting(v, base_path) for p, v in shared.items()}
@@ -258,7 +264,8 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
     from mergekit.options import MergeOptions
 
     cfg = MergeConfiguration.model_validate(config)
-    models = config.get("models", [])
+    # statistics are the experts' own: a method that takes a base (WUDI) reads none of it
+    models = [m for m in config.get("models", []) if m["model"] != config.get("base_model")]
     _prepare(config["merge_method"], {m["model"]: m["model"] for m in models}, config.get("parameters"),
              {m["model"]: m.get("parameters") or {} for m in models})
     # no model card for a search's temporary merge: writing one looks its inputs up on the Hub
@@ -267,10 +274,11 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
 
 
 def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model: dict | None = None) -> None:
-    """Data-aware methods (RegMean's Gram matrices) read their inputs' directories before merging;
-    `per_model` (input id -> its parameters) carries the importances RegMean++'s statistics depend on."""
-    if method in regmean.PREPARE:
-        regmean.PREPARE[method](paths, shared or {}, per_model or {})
+    """Data-aware methods (RegMean's and WUDI's Gram matrices) read their experts' directories before
+    merging; `per_model` (input id -> its parameters) carries the importances RegMean++'s statistics
+    depend on."""
+    if method in PREPARE:
+        PREPARE[method](paths, shared or {}, per_model or {})
 
 
 def merge_keys(sd: dict) -> dict:

@@ -526,22 +526,30 @@ def _input_key(input_id: Hashable) -> str:
     return str(Path(model.path).resolve()) if model is not None else str(input_id)
 
 
-def _canon(input_id: Hashable, prompts: int, inputs: str) -> str:
+def _canon(input_id: Hashable, prompts: int, inputs: str, method: str = "regmean") -> str:
     canon = _CANON.get(_input_key(input_id))
     if canon is None or (canon, prompts, inputs) not in _BOUND:
-        raise OpdError(f"regmean: no Gram matrices for merge input {_input_key(input_id)!r} (prompts={prompts}, "
+        raise OpdError(f"{method}: no Gram matrices for merge input {_input_key(input_id)!r} (prompts={prompts}, "
                        f"inputs={inputs}); opd computes them from the expert's directory before merging "
                        "(opd.weights.regmean.prepare, called by opd.weights.merge.merge_candidate and run_mergekit); "
                        "a plain mergekit-yaml cannot")
     return canon
 
 
+def input_stats(ids: Sequence[Hashable], prompts: int = PROMPTS, inputs: str = INPUTS,
+                method: str = "regmean") -> list[Mapping[str, Tensor]]:
+    """Each merge input's own statistics (its forward pass's, bound by `prepare`), for a method that
+    reads them by input id: RegMean, and WUDI's data term (opd.weights.wudi). OpdError, naming
+    `method` and the input, where `prepare` did not run for it with these settings."""
+    return [_CACHE[_BOUND[(c, prompts, inputs)]] for c in (_canon(i, prompts, inputs, method) for i in ids)]
+
+
 def _stats(ids: Sequence[Hashable], settings: tuple, weights: Sequence[float]) -> list[Mapping[str, Tensor]]:
     """Each input's statistics for these settings (RegMean++'s for the set when propagate=merged)."""
     prompts, inputs, propagate = settings[:3]
-    canons = [_canon(i, prompts, inputs) for i in ids]
     if propagate != "merged":
-        return [_CACHE[_BOUND[(c, prompts, inputs)]] for c in canons]
+        return input_stats(ids, prompts, inputs)
+    canons = [_canon(i, prompts, inputs) for i in ids]
     mkey = _merged_key(settings, list(zip(canons, weights)))
     if mkey not in _MERGED:
         raise OpdError(f"regmean propagate=merged: no statistics for this set of inputs and settings {settings}; "

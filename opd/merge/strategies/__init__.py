@@ -3,7 +3,7 @@
 - `base`: the interface the search and the report ask (`Strategy`), its inputs and context, the
   registry (`STRATEGIES`, `get_strategy`).
 - `mergekit_methods`: mergekit's merge methods (`MergeStrategy`).
-- `opd_methods`: opd's own merge methods (TSV-M, Iso-C, Iso-CTS, RegMean), merged as mergekit's.
+- `opd_methods`: opd's own merge methods (TSV-M, Iso-C, Iso-CTS, RegMean, WUDI), merged as mergekit's.
 - `distill`: on-policy distillation from the base (`opd`), from the best merge (`merge_opd`), from a
   method's merge (`<method>+opd`), and its baselines (`offpolicy`, `gspo`).
 

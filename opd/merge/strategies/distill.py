@@ -64,6 +64,12 @@ class DistillStrategy(Strategy):
     def check_params(self, params: dict[str, Any], distill) -> None:
         from pydantic import ValidationError
 
+        if self.init not in ("base", "best"):  # a hybrid: its merge's parameters as that method checks them
+            method = get_strategy(self.init)
+            try:
+                method.check_params({p: v for p, v in params.items() if p in method.parameters}, distill)
+            except ValueError as e:
+                raise ValueError(f"strategy {self.name!r}: {e}") from None
         fixed = {p: v for p, v in params.items() if p in self.distill_shared and isinstance(v, bool | int | float | str)}
         try:
             type(distill).model_validate({**distill.model_dump(), **fixed, **(self.distill_fixed or {})})

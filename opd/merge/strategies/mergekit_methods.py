@@ -45,6 +45,20 @@ class MergeStrategy(Strategy):
         except ValueError as e:
             raise OpdError(f"strategy {self.name!r} cannot merge {n_experts} experts: {e}") from None
 
+    def check_params(self, params: dict[str, Any], distill) -> None:
+        """Refuse a value the method's mergekit parameter does not take (a fixed value, either end of a
+        range, a choice), as mergekit would at the first merge (e.g. wudi's `solver`, `data` >= 0)."""
+        from mergekit import merge_methods as mm
+        from pydantic import ValidationError
+
+        specs = {p.name: p for p in mm.get(self.name).spec.parameters}
+        for p, spec in params.items():
+            for v in _values(spec):
+                try:
+                    specs[p].validate(v)
+                except ValidationError as e:
+                    raise ValueError(f"strategy {self.name!r}: {p!r} = {v!r}: {e.errors()[0]['msg']}") from None
+
     def build(self, inputs: MergeInputs, cand: Candidate, ctx: BuildContext | None = None
               ) -> tuple[dict, dict[str, Any]]:
         """The merge's weights; a merge needs no context and records nothing."""
@@ -60,6 +74,18 @@ class MergeStrategy(Strategy):
                          "which runs mergekit's `run_merge` on this YAML with opd's methods registered:")
         return ModelCard("merged", "mergekit.yaml", mergekit_config(cand, base_path, expert_paths),
                          f"with mergekit's `{cand.strategy}`", reproduce)
+
+
+def _values(spec) -> list:
+    """The values a recipe's parameter spec (opd.merge.recipe.ParamSpec) can give: a fixed value, a
+    range's ends, its choices, a per-layer-group range's ends."""
+    if isinstance(spec, tuple):
+        return list(spec)
+    if hasattr(spec, "choices"):
+        return list(spec.choices)
+    if hasattr(spec, "range"):
+        return list(spec.range)
+    return [spec]
 
 
 # mergekit's own methods; opd's own (opd_methods) are registered after them.

@@ -1,5 +1,5 @@
 """opd's own merge methods as strategies: the subspace merges TSV-M, Iso-C and Iso-CTS
-(opd.weights.subspace) and the data-aware RegMean (opd.weights.regmean).
+(opd.weights.subspace), the data-aware RegMean (opd.weights.regmean) and WUDI (opd.weights.wudi).
 
 They merge as mergekit's methods do (opd.weights registers them with mergekit), so each is a
 `MergeStrategy`; a plain `mergekit-yaml` does not know them, so the best model's card says to
