@@ -153,8 +153,11 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
             torch.manual_seed(DEFAULT_OTHER_SEED)
             for task in task_dict["tasks"].values():
                 task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
-            out = lm_eval_evaluate(lm=lm, task_dict=task_dict, limit=limit, log_samples=False,
-                                   fewshot_as_multiturn=True)
+            # inference_mode, not just generate's own no_grad: no version counters or view tracking on
+            # any tensor of the run. Nothing made here outlives it (the KV cache is per generate call).
+            with torch.inference_mode():
+                out = lm_eval_evaluate(lm=lm, task_dict=task_dict, limit=limit, log_samples=False,
+                                       fewshot_as_multiturn=True)
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
