@@ -124,6 +124,7 @@ def test_tasks_built_once_and_each_model_scored_on_its_own(trained_pico_dir, pic
                 {d["doc_id"]: d["filtered_resps"][0] for d in out["samples"]["opd_count_val"]})
 
     task = api.lm_eval_tasks(["count"], "val")["opd_count_val"]
+    assert isinstance(task.eval_docs, list)  # the rows of its datasets.Dataset, kept as a list
     first_a = ours(a)
     monkeypatch.setenv("LOCAL_RANK", "1")  # a distributed trainer's other rank scores its own copy too
     got_b = ours(b)

@@ -116,6 +116,10 @@ def lm_eval_tasks(capabilities: list[str], split: str) -> dict:
             task = loaded[n]
             if task.get_config("num_fewshot") is None:  # what simple_evaluate does without num_fewshot
                 task.set_config(key="num_fewshot", value=0)
+            # The evaluator walks a task's docs twice per model (building requests, then scoring them):
+            # as a datasets.Dataset every row is formatted out of Arrow again each time. The rows it
+            # yields, kept as a list, are the same docs (lm-eval takes a list of dicts as docs).
+            task.dataset = {split_name: list(docs) for split_name, docs in task.dataset.items()}
             _TASKS[include, n] = (names[n], task)
     return {n: _TASKS[include, n][1] for n in names}
 
