@@ -176,3 +176,16 @@ def test_bad_split_is_user_error(pico_model, tokenizer):
 
     with pytest.raises(OpdError, match="split 'train'"):
         api.evaluate(pico_model, tokenizer, ["add"], "train")
+
+
+def test_uncached_scoring_hashes_nothing_and_leaves_the_model_trainable(pico_model, tokenizer, monkeypatch):
+    """use_cache=False has no cache key to make: the weights are not hashed. The run is under
+    torch.inference_mode: nothing of it may stay on the model and break a later backward."""
+    monkeypatch.setattr(api, "state_dict_hash", lambda m: (_ for _ in ()).throw(AssertionError("hashed")))
+    api.evaluate(pico_model, tokenizer, ["count"], "val", limit=8, batch_size=8, use_cache=False)
+    with pytest.raises(AssertionError, match="hashed"):
+        api.evaluate(pico_model, tokenizer, ["count"], "val", limit=8, batch_size=8)
+    assert pico_model.training  # build_model's mode, given back
+    ids = torch.tensor([tokenizer.encode("12+34=46")])
+    pico_model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in pico_model.parameters() if p.requires_grad)

@@ -77,15 +77,18 @@ def evaluate(
         raise OpdError(f"split {split!r}: evaluation uses one of {EVAL_SPLITS}")
     for c in capabilities:
         get_capability(c)
-    key = model_hash or state_dict_hash(model)
+    # The content hash reads every weight; it is only the cache's key.
+    key = (model_hash or state_dict_hash(model)) if use_cache else None
     results: dict[str, Score] = {}
     todo = []
     for c in capabilities:
-        path = cache_dir() / key / f"{task_name(c, split)}-{limit or SPLIT_SIZES[split]}-v{EVAL_VERSION}.json"
-        if use_cache and path.exists():
-            results[c] = Score(**json.loads(path.read_text()))
-        else:
-            todo.append((c, path))
+        path = None
+        if use_cache:
+            path = cache_dir() / key / f"{task_name(c, split)}-{limit or SPLIT_SIZES[split]}-v{EVAL_VERSION}.json"
+            if path.exists():
+                results[c] = Score(**json.loads(path.read_text()))
+                continue
+        todo.append((c, path))
     if todo:
         fresh = _run_lm_eval(model, tokenizer, [c for c, _ in todo], split, limit, batch_size)
         for c, path in todo:
