@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--base")
     ap.add_argument("--experts", nargs="*", default=["add", "rev"])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=200, help="both paths (the recipe default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

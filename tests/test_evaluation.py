@@ -124,6 +124,7 @@ def test_tasks_built_once_and_each_model_scored_on_its_own(trained_pico_dir, pic
                 {d["doc_id"]: d["filtered_resps"][0] for d in out["samples"]["opd_count_val"]})
 
     task = api.lm_eval_tasks(["count"], "val")["opd_count_val"]
+    assert isinstance(task.eval_docs, list)  # the rows of its datasets.Dataset, kept as a list
     first_a = ours(a)
     monkeypatch.setenv("LOCAL_RANK", "1")  # a distributed trainer's other rank scores its own copy too
     got_b = ours(b)
@@ -175,3 +176,16 @@ def test_bad_split_is_user_error(pico_model, tokenizer):
 
     with pytest.raises(OpdError, match="split 'train'"):
         api.evaluate(pico_model, tokenizer, ["add"], "train")
+
+
+def test_uncached_scoring_hashes_nothing_and_leaves_the_model_trainable(pico_model, tokenizer, monkeypatch):
+    """use_cache=False has no cache key to make: the weights are not hashed. The run is under
+    torch.inference_mode: nothing of it may stay on the model and break a later backward."""
+    monkeypatch.setattr(api, "state_dict_hash", lambda m: (_ for _ in ()).throw(AssertionError("hashed")))
+    api.evaluate(pico_model, tokenizer, ["count"], "val", limit=8, batch_size=8, use_cache=False)
+    with pytest.raises(AssertionError, match="hashed"):
+        api.evaluate(pico_model, tokenizer, ["count"], "val", limit=8, batch_size=8)
+    assert pico_model.training  # build_model's mode, given back
+    ids = torch.tensor([tokenizer.encode("12+34=46")])
+    pico_model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in pico_model.parameters() if p.requires_grad)

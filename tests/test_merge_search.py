@@ -297,3 +297,16 @@ def test_cheap_first_promotes_only_promising_candidates(tmp_path):
     assert scorer.calls.count(("val", 5)) == 12  # every candidate screened on 5 items
     assert scorer.calls.count(("val", None)) == stages.count("full")  # only promoted ones on the full split
     assert all(len(t.values) == 3 for t in trials)  # retention add, retention rev, min retention
+
+
+@pytest.mark.slow
+def test_bench_merge_candidate_paths_agree_on_fake_experts():
+    """bench_merge_candidate on fake pico experts (no --base): the naive CLI path and opd's in-process
+    path score one candidate alike, every generation included, at the bench's default batch size."""
+    bench = REPO / "bench" / "bench_merge_candidate.py"
+    out = subprocess.run([sys.executable, str(bench), "--candidates", "1", "--experts", "add"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("per candidate: ") and "threads 1;" in last, last
+    assert "scores and generations identical: True" in last, last

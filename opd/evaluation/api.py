@@ -77,15 +77,18 @@ def evaluate(
         raise OpdError(f"split {split!r}: evaluation uses one of {EVAL_SPLITS}")
     for c in capabilities:
         get_capability(c)
-    key = model_hash or state_dict_hash(model)
+    # The content hash reads every weight; it is only the cache's key.
+    key = (model_hash or state_dict_hash(model)) if use_cache else None
     results: dict[str, Score] = {}
     todo = []
     for c in capabilities:
-        path = cache_dir() / key / f"{task_name(c, split)}-{limit or SPLIT_SIZES[split]}-v{EVAL_VERSION}.json"
-        if use_cache and path.exists():
-            results[c] = Score(**json.loads(path.read_text()))
-        else:
-            todo.append((c, path))
+        path = None
+        if use_cache:
+            path = cache_dir() / key / f"{task_name(c, split)}-{limit or SPLIT_SIZES[split]}-v{EVAL_VERSION}.json"
+            if path.exists():
+                results[c] = Score(**json.loads(path.read_text()))
+                continue
+        todo.append((c, path))
     if todo:
         fresh = _run_lm_eval(model, tokenizer, [c for c, _ in todo], split, limit, batch_size)
         for c, path in todo:
@@ -116,6 +119,10 @@ def lm_eval_tasks(capabilities: list[str], split: str) -> dict:
             task = loaded[n]
             if task.get_config("num_fewshot") is None:  # what simple_evaluate does without num_fewshot
                 task.set_config(key="num_fewshot", value=0)
+            # The evaluator walks a task's docs twice per model (building requests, then scoring them):
+            # as a datasets.Dataset every row is formatted out of Arrow again each time. The rows it
+            # yields, kept as a list, are the same docs (lm-eval takes a list of dicts as docs).
+            task.dataset = {split_name: list(docs) for split_name, docs in task.dataset.items()}
             _TASKS[include, n] = (names[n], task)
     return {n: _TASKS[include, n][1] for n in names}
 
@@ -153,8 +160,11 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
             torch.manual_seed(DEFAULT_OTHER_SEED)
             for task in task_dict["tasks"].values():
                 task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
-            out = lm_eval_evaluate(lm=lm, task_dict=task_dict, limit=limit, log_samples=False,
-                                   fewshot_as_multiturn=True)
+            # inference_mode, not just generate's own no_grad: no version counters or view tracking on
+            # any tensor of the run. Nothing made here outlives it (the KV cache is per generate call).
+            with torch.inference_mode():
+                out = lm_eval_evaluate(lm=lm, task_dict=task_dict, limit=limit, log_samples=False,
+                                       fewshot_as_multiturn=True)
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
