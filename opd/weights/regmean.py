@@ -88,6 +88,17 @@ def task_average(weights: Sequence[Tensor], importance: Sequence[float] | None =
     return sum(ci * w for ci, w in zip(c, weights)) / sum(c)
 
 
+def in_float64(method: str, what: str, tensors: Sequence[Tensor]) -> tuple[list[Tensor], torch.dtype]:
+    """`tensors` (one shape, else a one-line ValueError naming `method`) promoted to at least float64 for
+    the solve, and the dtype to return the merged tensor in."""
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"{method}: {what} differ in shape: {sorted(shapes)}")
+    out_dtype = tensors[0].dtype
+    work = torch.promote_types(out_dtype, torch.float64)
+    return [t.to(work) for t in tensors], out_dtype
+
+
 def scale_off_diagonal(gram: Tensor, alpha: float) -> Tensor:
     """G' = α G + (1 − α) diag(G): the paper's conditioning, shrinking only off-diagonal entries."""
     return alpha * gram + (1 - alpha) * torch.diag_embed(torch.diagonal(gram))
@@ -105,14 +116,9 @@ def regmean_merge(weights: Sequence[Tensor], grams: Sequence[Tensor | None], alp
     """
     if not weights:
         raise ValueError("regmean needs at least one expert's weight")
-    shapes = {tuple(w.shape) for w in weights}
-    if len(shapes) != 1:
-        raise ValueError(f"regmean: expert weights differ in shape: {sorted(shapes)}")
+    ws, out_dtype = in_float64("regmean", "expert weights", weights)
     if not 0 <= alpha <= 1:
         raise ValueError(f"regmean: alpha must be in [0, 1], got {alpha}")
-    out_dtype = weights[0].dtype
-    work = torch.promote_types(out_dtype, torch.float64)
-    ws = [w.to(work) for w in weights]
     if ws[0].ndim != 2:
         return task_average(ws, importance).to(out_dtype)
     n_in = ws[0].shape[1]
@@ -120,7 +126,7 @@ def regmean_merge(weights: Sequence[Tensor], grams: Sequence[Tensor | None], alp
         got = [None if g is None else tuple(g.shape) for g in grams]
         raise ValueError(f"regmean: need one ({n_in}, {n_in}) Gram per expert, got {got}")
     c = _importance(ws, importance)
-    gs = [ci * scale_off_diagonal(g.to(ws[0].device, work), alpha) for ci, g in zip(c, grams)]  # c_t G_t' (in, in)
+    gs = [ci * scale_off_diagonal(g.to(ws[0].device, ws[0].dtype), alpha) for ci, g in zip(c, grams)]  # c_t G_t' (in, in)
     g_sum = sum(gs)
     mean = task_average(ws, c)
     rhs = sum(w @ g for w, g in zip(ws, gs)) - mean @ g_sum  # (out, in)

@@ -93,12 +93,7 @@ def wudi(
         raise ValueError(f"wudi: data must be >= 0, got {data}")
     if not deltas:
         raise ValueError("wudi needs at least one task vector")
-    shapes = {tuple(d.shape) for d in deltas}
-    if len(shapes) != 1:
-        raise ValueError(f"wudi: task vectors differ in shape: {sorted(shapes)}")
-    out_dtype = deltas[0].dtype
-    work = torch.promote_types(out_dtype, torch.float64)
-    ds = [d.to(work) for d in deltas]
+    ds, out_dtype = regmean.in_float64("wudi", "task vectors", deltas)
     if ds[0].ndim != 2:
         return task_mean(ds, alpha).to(out_dtype)
     n_in = ds[0].shape[1]
@@ -117,7 +112,7 @@ def wudi(
         return torch.zeros_like(ds[0]).to(out_dtype)
     lam = ridge * trace / n_in
     rhs = sum(d @ g for d, g in zip(ds, gs))  # (out, in)
-    eye = torch.eye(n_in, dtype=work, device=ds[0].device)
+    eye = torch.eye(n_in, dtype=ds[0].dtype, device=ds[0].device)
     merged = torch.linalg.solve(g_sum + lam * eye, rhs, left=False)  # X (Σ G + λ I) = rhs
     return (alpha * merged).to(out_dtype)
 
