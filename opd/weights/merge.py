@@ -47,10 +47,21 @@ RANDOM_METHODS = {"dare_ties", "dare_linear", "della", "della_linear"}
 # Required per-model parameters get a neutral value when a recipe leaves them out.
 _REQUIRED_DEFAULTS = {"weight": 1.0}
 # opd's own methods: registered with mergekit here, so that both merge paths find them.
-OPD_METHODS = tuple(m.spec.name for m in (*subspace.METHODS, *regmean.METHODS, *wudi.METHODS))
-subspace.register_methods()
-regmean.register_methods()
-wudi.register_methods()
+_OPD_METHODS = (*subspace.METHODS, *regmean.METHODS, *wudi.METHODS)
+OPD_METHODS = tuple(m.spec.name for m in _OPD_METHODS)
+
+
+def _register_opd_methods() -> None:
+    """Make opd's methods known to `mergekit.merge_methods.get` (once; mergekit refuses a repeat)."""
+    from mergekit import merge_methods as mm
+
+    known = {m.spec.name for m in mm.registered_methods()}
+    for method in _OPD_METHODS:
+        if method.spec.name not in known:
+            mm.register(method)
+
+
+_register_opd_methods()
 # Data-aware methods: method -> hook(paths, shared, per_model) that reads the experts' directories
 # (RegMean's Gram matrices) before either merge path runs.
 PREPARE = {**regmean.PREPARE, **wudi.PREPARE}

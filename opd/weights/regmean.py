@@ -596,13 +596,3 @@ def regmean_method(group: TensorGroup, weight: PerInput[float] = 1.0,
 
 METHODS = (regmean_method,)
 PREPARE = {"regmean": prepare}  # method -> hook(paths, shared parameters, per-model parameters), run before it merges
-
-
-def register_methods() -> None:
-    """Make `regmean` known to `mergekit.merge_methods.get` (once; mergekit refuses a repeat)."""
-    from mergekit import merge_methods as mm
-
-    known = {m.spec.name for m in mm.registered_methods()}
-    for method in METHODS:
-        if method.spec.name not in known:
-            mm.register(method)

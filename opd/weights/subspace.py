@@ -212,13 +212,3 @@ def iso_cts_merge(group: TensorGroup, weight: PerNonBase[float] = 1.0, alpha: Al
 
 
 METHODS = (tsv_m_merge, iso_c_merge, iso_cts_merge)
-
-
-def register_methods() -> None:
-    """Make the methods known to `mergekit.merge_methods.get` (once; mergekit refuses a repeat)."""
-    from mergekit import merge_methods as mm
-
-    known = {m.spec.name for m in mm.registered_methods()}
-    for method in METHODS:
-        if method.spec.name not in known:
-            mm.register(method)

@@ -191,13 +191,3 @@ def wudi_merge(
 METHODS = (wudi_merge,)
 # method -> hook(paths, shared parameters, per-model parameters), run before it merges
 PREPARE = {"wudi": prepare}
-
-
-def register_methods() -> None:
-    """Make `wudi` known to `mergekit.merge_methods.get` (once; mergekit refuses a repeat)."""
-    from mergekit import merge_methods as mm
-
-    known = {m.spec.name for m in mm.registered_methods()}
-    for method in METHODS:
-        if method.spec.name not in known:
-            mm.register(method)
