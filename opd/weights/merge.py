@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opd.errors import OpdError
 from opd.weights import regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
+from opd.weights.sort_cache import cached_magnitude
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
@@ -188,7 +189,7 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
     if cand.layerwise:
         params = _per_tensor(params, m.name, list(models[ids[0]]), layers)
     torch.manual_seed(cand.seed)
-    with torch.no_grad():
+    with torch.no_grad(), cached_magnitude():  # each task vector's magnitudes sorted once per search
         return merge_state_dicts(models, m.name, parameters=params, base=base)
 
 
