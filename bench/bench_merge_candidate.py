@@ -3,7 +3,9 @@
 Naive: `mergekit-yaml` writes the candidate to disk, then the `lm_eval` CLI loads it and runs
 `opd_<cap>_val` (two processes per candidate). opd: mergekit's tensor functions in memory, then
 lm-eval in the same process on a model object that is reused, with lm-eval task objects built once
-per search. Same recipe, same candidates; scores and every generation must match.
+per search, and mergekit's magnitude sparsification reading each task vector's sort from
+opd.weights.sort_cache (the first candidate sorts, the next ones reuse it). Same recipe, same
+candidates; scores and every generation must match.
 
     python bench/bench_merge_candidate.py [--candidates 2] [--base runs/base --experts add rev]
 
@@ -133,6 +135,9 @@ def main() -> None:
               f"\n  opd   {t_opd:6.2f} s (cpu {cpu_opd:6.2f} s)  {s_opd}  (merge {t_merge:.2f} s, "
               f"score {t_opd - t_merge:.2f} s)\n  scores identical: {s_naive == s_opd}; every generation "
               f"identical ({len(o_naive)} items, {len(o_opd)} in-process): {o_opd == o_naive}")
+    from opd.weights.sort_cache import CACHE
+
+    print(f"task-vector magnitudes sorted {CACHE.misses} times, sort reused {CACHE.hits} times")
     tn, to, tm, cn, co = (sum(r[i] for r in rows) / len(rows) for i in range(5))
     ok = all(r[5] for r in rows)
     print(f"per candidate: naive {tn:.2f} s, opd in-process {to:.2f} s (merge {tm:.2f} s, score {to - tm:.2f} s), "
