@@ -129,11 +129,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="tuned run: torch threads per process")
     ap.add_argument("--ranks", type=int, default=1, help="tuned run: data-parallel CPU ranks (DeepSpeed ZeRO-2, "
                     "torchrun); --prompts must divide by it")
+    ap.add_argument("--runs", default="loop,stacked,tuned",
+                    help="which runs (comma-separated); the ratios need the loop")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args()
     if args.ranks < 1 or args.prompts % args.ranks:
         ap.error(f"--ranks {args.ranks}: must be >= 1 and divide --prompts {args.prompts}")
+    wanted = args.runs.split(",")
+    if not wanted or set(wanted) - {"loop", "stacked", "tuned"}:
+        ap.error(f"--runs {args.runs}: a comma-separated subset of loop,stacked,tuned")
 
     from transformers import AutoTokenizer
 
@@ -167,17 +172,20 @@ def main() -> None:
         return
     print(f"{len(teachers)} teachers; capabilities {caps}; {args.tokens} student tokens per run, retention grid "
           f"every {args.grid}; load average {os.getloadavg()[0]:.2f}", flush=True)
-    results = {
-        "loop": run("loop", DistillConfig(**today, teacher_forward="loop"), 1, base, teachers, routes, caps, refs,
-                    args.tokens, args.grid, args.eval_limit),
-        "stacked": run("stacked", DistillConfig(**today), 1, base, teachers, routes, caps, refs, args.tokens,
-                       args.grid, args.eval_limit),
-        "tuned": (tuned_ranks(args, base, names) if args.ranks > 1 else
-                  run("tuned", tuned_config(args, today, 1), args.threads, base, teachers, routes, caps, refs,
-                      args.tokens, args.grid, args.eval_limit)),
+    runs = {
+        "loop": lambda: run("loop", DistillConfig(**today, teacher_forward="loop"), 1, base, teachers, routes, caps,
+                            refs, args.tokens, args.grid, args.eval_limit),
+        "stacked": lambda: run("stacked", DistillConfig(**today), 1, base, teachers, routes, caps, refs, args.tokens,
+                               args.grid, args.eval_limit),
+        "tuned": lambda: (tuned_ranks(args, base, names) if args.ranks > 1 else
+                          run("tuned", tuned_config(args, today, 1), args.threads, base, teachers, routes, caps,
+                              refs, args.tokens, args.grid, args.eval_limit)),
     }
-    loop = results["loop"]
+    results = {label: runs[label]() for label in ("loop", "stacked", "tuned") if label in wanted}
+    loop = results.get("loop")
     for label in ("stacked", "tuned"):
+        if loop is None or label not in results:
+            continue
         r = results[label]
         pairs = list(zip(loop["curve"], r["curve"]))
         worse = [g for (g, _, a), (_, _, b) in pairs if b < a - 0.05]
@@ -186,7 +194,8 @@ def main() -> None:
     print(f"threads: loop 1, stacked 1, tuned {args.threads} x {args.ranks} rank(s); tuned: {args.prompts} prompts x "
           f"{args.group}, {args.updates} updates per step, {args.layout} layout; load average "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"ratio: {results['tuned']['tps'] / loop['tps']:.2f}")
+    if loop is not None and "tuned" in results:
+        print(f"ratio: {results['tuned']['tps'] / loop['tps']:.2f}")
 
 
 if __name__ == "__main__":

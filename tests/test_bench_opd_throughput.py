@@ -28,3 +28,8 @@ def test_quick_runs_the_tuned_loop_on_two_ranks():
 def test_ranks_must_divide_the_prompts():
     out = subprocess.run([sys.executable, str(BENCH), "--quick", "--ranks", "3"], capture_output=True, text=True)
     assert out.returncode == 2 and "--ranks 3: must be >= 1 and divide --prompts 64" in out.stderr
+
+
+def test_runs_must_name_known_runs():
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--runs", "loop,fast"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--runs loop,fast: a comma-separated subset of loop,stacked,tuned" in out.stderr
