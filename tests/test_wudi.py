@@ -92,6 +92,33 @@ def test_exact_solve_is_the_objectives_minimum():
         assert loss < objective(sum(deltas), deltas, xs, data)
 
 
+def test_adam_steps_from_the_sum_by_hand():
+    # One entry: τ1 = (1), τ2 = (3), G1 = G2 = (1): gradient 2 (2x − 4), start x = 4 (the sum).
+    # Adam's first step is lr · m̂/(√v̂ + eps) = lr · sign(gradient) (up to eps): 4 → 4 − lr.
+    t1, t2 = t([1.0]), t([3.0])
+    close(wudi([t1, t2], solver="adam", lr=0.1, steps=0), [[4.0]])  # no steps: task arithmetic
+    close(wudi([t1, t2], solver="adam", lr=0.1, steps=1), [[3.9]], atol=1e-8)
+    # The second: g = 2 (2 · 3.9 − 4) = 7.6 after 8; m̂ = (.9 · .1 · 8 + .1 · 7.6)/(1 − .81),
+    # v̂ = (.999 · .001 · 64 + .001 · 57.76)/(1 − .998001); step lr · m̂/√v̂.
+    m = (0.9 * 0.1 * 8 + 0.1 * 7.6) / (1 - 0.9**2)
+    v = (0.999 * 0.001 * 64 + 0.001 * 7.6**2) / (1 - 0.999**2)
+    close(wudi([t1, t2], solver="adam", lr=0.1, steps=2), [[3.9 - 0.1 * m / v**0.5]], atol=1e-8)
+    # alpha scales the result as for the exact solve
+    close(wudi([t1, t2], alpha=0.5, solver="adam", lr=0.1, steps=1), [[1.95]], atol=1e-8)
+
+
+def test_adam_approaches_the_exact_solve():
+    g = torch.Generator().manual_seed(4)
+    deltas = [torch.randn(6, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    grams = [x.T @ x for x in (torch.randn(9, 4, generator=g, dtype=torch.float64) for _ in range(3))]
+    exact = wudi(deltas, grams=grams, data=1.0)
+    far = (sum(deltas) - exact).abs().max()
+    near = (wudi(deltas, grams=grams, data=1.0, solver="adam", lr=0.01, steps=3000) - exact).abs().max()
+    assert near < 0.01 * far
+    few = (wudi(deltas, grams=grams, data=1.0, solver="adam", lr=0.01, steps=30) - exact).abs().max()
+    assert near < few < far  # fewer steps stop between the sum and the optimum
+
+
 def test_data_term_hand_worked():
     # τ1 = (1, 0), τ2 = (0, 1): data-free Σ G = I and τ_m = (1, 1). Both experts' inputs lie on e2
     # (X1ᵀX1 = diag(0, 4), X2ᵀX2 = diag(0, 1), each diag(0, 1) at unit trace), where τ1 does nothing:
@@ -128,7 +155,8 @@ def test_alpha_zero_fallback_and_dtype():
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"solver": "adam"}, "solver must be one of ['exact'], got 'adam'"),
+        ({"solver": "sgd"}, "solver must be one of ['exact', 'adam'], got 'sgd'"),
+        ({"solver": "adam", "lr": -1.0}, "lr and steps must be >= 0, got lr=-1.0, steps=300"),
         ({"data": -1.0}, "data must be >= 0"),
         ({"data": 1.0}, "data > 0 needs one (2, 2) input Gram per expert, got None"),
         ({"data": 1.0, "grams": [torch.eye(3), torch.eye(2)]}, "got [(3, 3), (2, 2)]"),
@@ -158,7 +186,8 @@ def test_registered_with_mergekit_and_the_strategies(tmp_path):
     assert mm.get("wudi").spec.name == "wudi"
     s = get_strategy("wudi")
     assert s.inputs == "base+experts" and s.per_model == {"weight": 1.0} and not s.native
-    assert s.shared == {"alpha": 1.0, "solver": "exact", "data": 0.0, "prompts": 64, "inputs": "completion"}
+    assert s.shared == {"alpha": 1.0, "solver": "exact", "data": 0.0, "prompts": 64, "inputs": "completion",
+                        "lr": 2e-5, "steps": 300}
     assert {"alpha", "data"} <= s.layerwise
     s.check_inputs(10)
     assert get_strategy("wudi+opd").merge_part  # its hybrid with OPD
@@ -172,7 +201,8 @@ def test_registered_with_mergekit_and_the_strategies(tmp_path):
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("strategies.wudi={solver: adam}", "strategy 'wudi': 'solver' = 'adam': Input should be 'exact'"),
+        ("strategies.wudi={solver: sgd}", "strategy 'wudi': 'solver' = 'sgd': Input should be 'exact' or 'adam'"),
+        ("strategies.wudi={lr: -1}", "'lr' = -1: Input should be greater than or equal to 0"),
         ("strategies.wudi={data: -1}", "'data' = -1: Input should be greater than or equal to 0"),
         ("strategies.wudi={data: [-1, 2]}", "'data' = -1.0: Input should be greater than or equal to 0"),
         (
@@ -267,6 +297,8 @@ def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path, shared)
         "data": data,
         "prompts": shared.get("prompts", 64),
         "inputs": shared.get("inputs", "completion"),
+        "lr": 2e-5,
+        "steps": 300,
     }
     run_mergekit(doc, str(tmp_path / "out"))
     assert bool(regmean._CACHE) == bool(data)  # data-free WUDI reads no expert's inputs
