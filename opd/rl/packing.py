@@ -62,12 +62,9 @@ def padded(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
 
 
 def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.float32,
-           min_width: int = 128) -> TokenRows:
+           min_width: int = 64) -> TokenRows:
     """Documents (consecutive rows with an equal prompt share one) packed first-fit into rows of width
-    max(the longest document, min(min_width, all documents together)). 128 fits three or four of the
-    lab's 30-40-token documents a row, where 64 fitted one and left a third of the positions padding
-    (forward and backward of 16 prompts x 4 on the lab base: 1.25x faster, one thread); wider rows
-    pay for their S x S attention mask."""
+    max(the longest document, min(min_width, all documents together))."""
     docs: list[list[int]] = []  # row indices of each document
     for b, p in enumerate(prompt_ids):
         if docs and list(prompt_ids[docs[-1][0]]) == list(p):
