@@ -81,14 +81,10 @@ def cached_magnitude(cache: SortedMagnitudes = CACHE) -> Iterator[SortedMagnitud
     import mergekit.sparsify as sp
 
     original = sp.magnitude
-    if getattr(original, "_opd_cached", False):  # nested: already in place
-        yield cache
-        return
 
     def cached(tensor, density, rescale_norm=None):
         return magnitude(tensor, density, rescale_norm, original=original, cache=cache)
 
-    cached._opd_cached = True
     sp.magnitude = cached
     try:
         yield cache
