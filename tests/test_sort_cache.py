@@ -84,3 +84,13 @@ def test_ties_merge_identical_with_and_without_cache():
     assert cache.misses == 6 and cache.hits == 6  # 2 tensors x 3 experts, sorted once
     for k in want:
         assert torch.equal(got[k], want[k]) and torch.equal(got2[k], want[k])
+
+
+def test_sorted_magnitudes_equal_a_float_sort():
+    # the cache sorts the bit patterns as int32: the same order for every non-negative float, zeros,
+    # subnormals, huge values and infinity included
+    w = torch.cat([_random(5).abs().reshape(-1), torch.tensor([0.0, -0.0, 1e-45, 1e-40, 3e38, float("inf"), 1.0, 1.0])])
+    w = w.abs().contiguous()
+    got = SortedMagnitudes().get(w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.sort(w, descending=True).values)

@@ -36,14 +36,18 @@ class SortedMagnitudes:
         return w.device.type == "cpu" and w.numel() * 4 <= self.max_bytes
 
     def get(self, w: torch.Tensor) -> torch.Tensor:
-        """The sorted magnitudes of flat float32 `w` (CPU, contiguous)."""
+        """The sorted magnitudes of flat float32 `w` (CPU, contiguous, no NaN, no negative values)."""
         key = (tuple(w.shape), hashlib.blake2b(memoryview(w.numpy()), digest_size=16).digest())
         if key in self._sorted:
             self.hits += 1
             self._sorted.move_to_end(key)
             return self._sorted[key]
         self.misses += 1
-        s = torch.sort(w, descending=True).values
+        # Non-negative IEEE-754 floats order as their bit patterns read as integers (+0.0 is 0; `w` is
+        # |delta| with NaN refused by the caller), and torch's CPU sort of int32 in ascending order is
+        # far faster than of float32 or of int32 descending (a lab10 TIES merge's 184 deltas, one
+        # thread: 0.12 s against 0.51 and 0.35 s). Flipped, it is the same values in the same order.
+        s = torch.sort(w.view(torch.int32)).values.view(torch.float32).flip(0)
         self._sorted[key] = s
         self.bytes += s.numel() * 4
         while self.bytes > self.max_bytes:
