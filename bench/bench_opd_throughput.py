@@ -95,7 +95,8 @@ def tuned_config(args, today: dict, ranks: int):
     from opd.distill import DistillConfig
 
     return DistillConfig(**{**today, "prompts_per_step": args.prompts // ranks, "group_size": args.group,
-                            "updates_per_batch": args.updates, "layout": args.layout})
+                            "updates_per_batch": args.updates, "layout": args.layout,
+                            "sample_ahead": args.sample_ahead})
 
 
 def tuned_ranks(args, base: str, names: list[str]) -> dict:
@@ -106,7 +107,7 @@ def tuned_ranks(args, base: str, names: list[str]) -> dict:
     cmd = [*torchrun, __file__, "--worker-out", str(out), "--base", base, "--experts", ",".join(names),
            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("tokens", "grid", "eval_limit", "prompts", "group", "updates", "layout", "threads", "lr",
-                      "ranks"))]
+                      "ranks", "sample_ahead"))]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(cmd, check=True, env=env)
     result = json.loads(out.read_text())
@@ -131,6 +132,8 @@ def main() -> None:
                     "torchrun); --prompts must divide by it")
     ap.add_argument("--runs", default="loop,stacked,tuned",
                     help="which runs (comma-separated); the ratios need the loop")
+    ap.add_argument("--sample-ahead", type=int, choices=[0, 1], default=0,
+                    help="tuned run: 1 samples and scores the next batch in a background thread during the update")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args()

@@ -76,6 +76,10 @@ class DistillConfig(BaseModel):
                            "padding, a group's prompt once, rows of mixed lengths packed together under a block "
                            "attention mask: the same hidden states up to float rounding at a fraction of the positions; "
                            "see opd.rl.packing)")
+    sample_ahead: bool = Field(False, description="sample and score the next step's batch in a background thread "
+                               "(on a copy of the student, synced after every step) while this step's update runs: "
+                               "the two use both cores of a CPU, and each batch comes from the student one step "
+                               "before the one it updates")
     warmstart_steps: int = Field(0, ge=0, description="supervised steps on verified teacher samples before OPD "
                                  "(off-policy distillation as a warm start; 0: none)")
     warmstart_prompts: int = Field(256, gt=0, description="training prompts per capability its teacher samples "

@@ -9,11 +9,13 @@ Under DeepSpeed (`wrap`, see opd.rl.distributed) every rank runs this loop on it
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,22 +86,25 @@ class StudentHidden(torch.nn.Module):
         return hidden_at(self.lm, TokenRows(ids, mask, pos, index))  # (N, H)
 
 
-def minibatches(batch: OpdBatch, n: int) -> tuple[torch.Tensor, ...]:
-    """`n` random minibatches of row indices. Packed: whole groups (a group's prompt is laid out once),
-    which for one sample per prompt is the padded layout's row split."""
+def minibatches(batch: OpdBatch, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+    """`n` random minibatches of row indices (drawn from `generator`, default torch's global one). Packed:
+    whole groups (a group's prompt is laid out once), which for one sample per prompt is the padded
+    layout's row split."""
     B = len(batch.cmask)
     if batch.layout == "padded":
-        return torch.randperm(B).to(batch.cmask.device).chunk(n)
+        return torch.randperm(B, generator=generator).to(batch.cmask.device).chunk(n)
     G = B // len(batch.rewards)  # rows are prompt-major, G per prompt
-    groups = torch.randperm(len(batch.rewards)).to(batch.cmask.device).chunk(n)
+    groups = torch.randperm(len(batch.rewards), generator=generator).to(batch.cmask.device).chunk(n)
     return tuple((g[:, None] * G + torch.arange(G, device=g.device)).reshape(-1) for g in groups)
 
 
-def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher], backward=None) -> dict:
+def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher], backward=None,
+             generator: torch.Generator | None = None) -> dict:
     """Minibatch updates on one batch; returns loss, clip and per-teacher KL statistics.
 
     policy: a `StudentHidden`, or the DeepSpeed engine wrapping one with its `backward(loss) -> grad
-    norm` (which also clips and steps).
+    norm` (which also clips and steps). generator: the minibatch split's random source (default torch's
+    global one; `sample_ahead` gives each step its own, as another thread samples meanwhile).
     """
     cmask, real = batch.cmask, batch.cmask.bool()
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
@@ -116,7 +121,7 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
     # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
-    for rows in minibatches(batch, cfg.updates_per_batch):
+    for rows in minibatches(batch, cfg.updates_per_batch, generator):
         m, r = cmask[rows], real[rows]
         laid = batch.token_rows(rows)
         h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (n, H)
@@ -254,7 +259,7 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
 UNSET_LATER_FIELDS = ("topk", "capability_weights")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
-DEFAULTED_LATER_FIELDS = {"layout": "padded"}
+DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False}
 
 
 def _identity(cfg: DistillConfig) -> dict:
@@ -391,7 +396,11 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     if cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
         bank = TeacherBank(teachers, routed)
 
+    ahead = pool = rng_ahead = None  # sample_ahead's batch in flight, its thread, the prompt RNG before it
+
     def check(rec: dict) -> None:  # a retention check on val; keeps the best student
+        if ahead is not None:
+            wait([ahead])  # sampling ahead and lm-eval would share torch's global RNG
         scores = _shared(evaluate_fn(student) if rank == 0 else None, world)
         rec.update(retention_record(scores, references or {}))
         student.train()
@@ -413,23 +422,56 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
             opt.state.clear()  # OPD starts with fresh Adam moments (the SFT gradients' scale differs)
         if ckpt_path:
             save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
-    while state.step < cfg.steps:
-        step_mix = adapted_mix(mix, state.history, cfg.adaptive_mix)
+
+    def produce(step: int, model) -> tuple[OpdBatch, float, float]:
+        """The rollout batch of `step`: `model` samples, the teachers score. Returns it and both phases' seconds."""
         t_sample = time.perf_counter()
-        items, groups = sample_batch(engine, routes, step_mix, rng, prompts=cfg.prompts_per_step, group=cfg.group_size,
-                                     temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                     seed=cfg.seed * 100_003 + state.step + rank * 1_000_003)
+        items, groups = sample_batch(engine, routes, adapted_mix(mix, state.history, cfg.adaptive_mix), rng,
+                                     prompts=cfg.prompts_per_step, group=cfg.group_size, temperature=cfg.temperature,
+                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 100_003 + step + rank * 1_000_003)
         t_score = time.perf_counter()
-        batch = build_batch(student, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
+        batch = build_batch(model, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
                             old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout)
+        return batch, t_score - t_sample, time.perf_counter() - t_score
+
+    # sample_ahead: a background thread samples and scores step k+1's batch on a copy of the student
+    # (synced when step k's batch is taken, so one update behind) while step k's update runs. torch
+    # ops release the GIL, so on a CPU the two use both cores. The thread owns the prompt RNG while it
+    # runs; a checkpoint saves that RNG as it was before the batch in flight (`rng_ahead`), so a resumed
+    # run draws the same prompts (its first batch then samples the checkpoint's student, not the one
+    # before). The update draws its minibatches from a per-step generator, and a retention check waits
+    # for the batch in flight, as both would otherwise share torch's global RNG with the sampling.
+    if cfg.sample_ahead:
+        from concurrent.futures import ThreadPoolExecutor
+
+        sampler = copy.deepcopy(student)
+        engine = get_engine("embedded", model=sampler, tokenizer=tokenizer)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="opd-sample-ahead")
+    while state.step < cfg.steps:
+        generator = None
+        if pool is None:
+            batch, s_sample, s_score = produce(state.step, student)
+            t_update = time.perf_counter()
+        else:
+            t_wait = time.perf_counter()
+            if ahead is None:
+                ahead = pool.submit(produce, state.step, sampler)
+            batch, _, _ = ahead.result()
+            sampler.load_state_dict(student.state_dict())  # the next batch samples the student as it is now
+            ahead = None
+            if state.step + 1 < cfg.steps:
+                rng_ahead = random.Random()
+                rng_ahead.setstate(rng.getstate())
+                ahead = pool.submit(produce, state.step + 1, sampler)
+            t_update = time.perf_counter()
+            s_sample, s_score = t_update - t_wait, 0.0  # the wait for the batch; its own seconds overlapped
+            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.step * 7_919 + rank)
         for g in opt.param_groups:
             g["lr"] = step_lr(cfg, state.step)
-        t_update = time.perf_counter()
         rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
-               **opd_step(policy, opt, batch, cfg, teachers, backward)}
+               **opd_step(policy, opt, batch, cfg, teachers, backward, generator)}
         # where a step's seconds go: student sampling, teacher (and old-policy) scoring, the update
-        rec.update({"time/sample": t_score - t_sample, "time/score": t_update - t_score,
-                    "time/update": time.perf_counter() - t_update})
+        rec.update({"time/sample": s_sample, "time/score": s_score, "time/update": time.perf_counter() - t_update})
         for cap in dict.fromkeys(batch.row_caps):
             rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
             rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
@@ -450,9 +492,11 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         if progress:
             progress(state, rec)
         if ckpt_path and (last or state.step % cfg.checkpoint_every == 0):
-            save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
+            save_checkpoint(ckpt_path, student, opt, state, rng if ahead is None else rng_ahead, cfg, ranks)
         if stop is not None and _shared(stop(rec), world):
             break
+    if pool is not None:
+        pool.shutdown(cancel_futures=True)
     if world > 1:
         import torch.distributed as dist
 

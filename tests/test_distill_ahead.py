@@ -1,0 +1,70 @@
+"""`sample_ahead`: the next batch sampled and scored in a background thread while the update runs."""
+
+from __future__ import annotations
+
+import pytest
+
+import opd.distill.loop as loop
+from opd.distill.config import DistillConfig
+from opd.distill.loop import distill
+from opd.distill.routing import resolve_routes
+from opd.distill.teachers import embedded_teacher
+from opd.lab.model import build_model
+from opd.lab.pico import PICO
+
+SAVE = loop.save_checkpoint  # the real one (each run's spy calls it, not an earlier run's spy)
+
+
+@pytest.fixture
+def teachers(trained_pico_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    return {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+
+
+def _run(cfg, tokenizer, teachers, ckpt, monkeypatch):
+    """The run's history and the prompt RNG state each checkpoint saved, by step."""
+    saved = {}
+
+    def spy(path, student, opt, state, rng, cfg, ranks=loop.PLAIN):
+        saved[state.step] = rng.getstate()
+        SAVE(path, student, opt, state, rng, cfg, ranks)
+
+    monkeypatch.setattr(loop, "save_checkpoint", spy)
+    student = build_model(PICO, tokenizer, seed=0)
+    state = distill(cfg, student, tokenizer, teachers, resolve_routes({"count": "count"}),
+                    ckpt, log=lambda *_: None)
+    return state, saved
+
+
+def test_ahead_draws_the_plain_loops_prompts_and_checkpoints_its_rng(tmp_path, tokenizer, teachers, monkeypatch):
+    # lr so small that no weight moves: the student one update behind is the same student, so sampling
+    # ahead must give exactly the plain loop's batches, and every checkpoint the plain loop's prompt RNG
+    # (the state before the batch in flight, not the one the background thread has moved on)
+    cfg = DistillConfig(estimator="full", steps=4, lr=1e-12, prompts_per_step=4, group_size=2, layout="packed",
+                        checkpoint_every=1, seed=3)
+    plain, plain_rng = _run(cfg, tokenizer, teachers, tmp_path / "plain.pt", monkeypatch)
+    ahead, ahead_rng = _run(cfg.model_copy(update={"sample_ahead": True}), tokenizer, teachers, tmp_path / "ahead.pt",
+                            monkeypatch)
+    assert sorted(ahead_rng) == sorted(plain_rng) == [1, 2, 3, 4]
+    assert ahead_rng == plain_rng
+    for p, a in zip(plain.history, ahead.history, strict=True):
+        assert a["gen_tokens"] == p["gen_tokens"] and a["reward/count"] == p["reward/count"]
+        assert a["kl/count"] == pytest.approx(p["kl/count"], rel=1e-5)
+        assert a["time/score"] == 0.0 and a["time/sample"] >= 0.0  # the wait for the batch in flight
+
+
+def test_ahead_lowers_kl_and_resumes(tmp_path, tokenizer, teachers, monkeypatch):
+    cfg = DistillConfig(estimator="full", steps=6, lr=3e-3, prompts_per_step=8, group_size=2, layout="packed",
+                        checkpoint_every=2, sample_ahead=True)
+    ckpt = tmp_path / "run.pt"
+    state, _ = _run(cfg, tokenizer, teachers, ckpt, monkeypatch)
+    kls = [r["kl/count"] for r in state.history]
+    assert kls[-1] < kls[0], kls
+    # a longer run with the same settings continues from the last checkpoint
+    longer, saved = _run(cfg.model_copy(update={"steps": 8}), tokenizer, teachers, ckpt, monkeypatch)
+    assert [r["step"] for r in longer.history] == list(range(1, 9)) and sorted(saved) == [8]
+    # the mode is part of the run's identity: the plain loop does not take over its checkpoint, it starts over
+    _, saved = _run(cfg.model_copy(update={"steps": 10, "sample_ahead": False}), tokenizer, teachers, ckpt, monkeypatch)
+    assert sorted(saved) == [2, 4, 6, 8, 10]
