@@ -13,7 +13,9 @@ Three runs from the base, each until it has sampled --tokens student tokens:
            teacher one forward on its own packed rows), with --prompts x --group rows per step, --updates
            minibatch updates per step and --threads per process; with --ranks N it runs data-parallel
            under DeepSpeed ZeRO-2 on N CPU ranks (torchrun, gloo), each rank sampling --prompts / N of
-           the step's prompts, gradients averaged: the same step as one process, on N cores.
+           the step's prompts, gradients averaged: the same step as one process, on N cores; with
+           --sample-ahead 1 a second thread samples and scores the next batch during each update
+           (DistillConfig.sample_ahead: one process on two cores, each batch one update behind).
 Throughput counts the steps' own wall time (sampling, scoring, update: each step's time/* record); the
 retention checks on the grid (every --grid student tokens, --eval-limit val items per capability, the same
 grid for every run) and a DeepSpeed engine's start-up are excluded.
@@ -195,7 +197,8 @@ def main() -> None:
         print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s; min retention on the grid "
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
     print(f"threads: loop 1, stacked 1, tuned {args.threads} x {args.ranks} rank(s); tuned: {args.prompts} prompts x "
-          f"{args.group}, {args.updates} updates per step, {args.layout} layout; load average "
+          f"{args.group}, {args.updates} updates per step, {args.layout} layout"
+          f"{', sampling ahead' if args.sample_ahead else ''}; load average "
           f"{os.getloadavg()[0]:.2f}")
     if loop is not None and "tuned" in results:
         print(f"ratio: {results['tuned']['tps'] / loop['tps']:.2f}")
