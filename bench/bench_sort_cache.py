@@ -22,16 +22,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def deltas(base: str, experts: list[str]) -> list[torch.Tensor]:
-    """|expert - base| of every tensor of every expert, flat float32, as the cache receives them."""
-    from safetensors.torch import load_file
+def deltas(base: str, experts: list[str], out: Path) -> list[torch.Tensor]:
+    """|expert - base| of every tensor of every expert, flat float32, as the cache receives them; the
+    experts loaded and checked as a merge search loads them (names or paths)."""
+    from opd.merge.recipe import MergeRecipe, load_inputs
 
-    b = load_file(next(Path(base).glob("*.safetensors")))
-    out = []
-    for e in experts:
-        x = load_file(next(Path(e).glob("*.safetensors")))
-        out += [(x[k].float() - b[k].float()).abs().reshape(-1).contiguous() for k in b if k in x]
-    return out
+    inputs = load_inputs(MergeRecipe(name="bench", base=base, experts=experts, out=str(out),
+                                     strategies={"ties": {"density": 0.5}}))
+    return [(sd[k] - inputs.base_sd[k]).abs().reshape(-1).float().contiguous()
+            for sd in inputs.expert_sds.values() for k in inputs.base_sd]
 
 
 def main() -> None:
@@ -44,16 +43,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from opd.weights.sort_cache import SortedMagnitudes
 
+    work = Path(tempfile.mkdtemp(prefix="opd-bench-sort-"))
+    atexit.register(shutil.rmtree, work, True)  # the fake lab: removed however the bench ends
     if args.base:
         base, experts = args.base, args.experts
     else:
         from test_merge_fakes import build_fake_lab
 
-        work = Path(tempfile.mkdtemp(prefix="opd-bench-sort-"))
-        atexit.register(shutil.rmtree, work, True)
         lab = build_fake_lab(work / "lab", tuple(args.experts))
         base, experts = str(lab["base"]), [str(p) for p in lab["experts"].values()]
-    ws = deltas(base, experts)
+    ws = deltas(base, experts, work / "out")
     times = {"float32 descending": [], "int32 bits (cache)": []}
     for _ in range(args.repeats):  # alternating, the best of each kept
         t = time.perf_counter()

@@ -389,7 +389,9 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         policy, opt, backward = wrap(policy, opt)
     if optim_state is not None:
         load_optimizer_state(opt, optim_state)
-    engine = get_engine("embedded", model=student, tokenizer=tokenizer)
+    # sample_ahead samples from a copy of the student that another thread reads while the update runs
+    sampler = copy.deepcopy(student) if cfg.sample_ahead else student
+    engine = get_engine("embedded", model=sampler, tokenizer=tokenizer)
     t0 = time.time() - state.elapsed
     routed = sorted({t for ts in routes.values() for t in ts})
     bank = None
@@ -423,14 +425,14 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         if ckpt_path:
             save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
 
-    def produce(step: int, model) -> tuple[OpdBatch, float, float]:
-        """The rollout batch of `step`: `model` samples, the teachers score. Returns it and both phases' seconds."""
+    def produce(step: int) -> tuple[OpdBatch, float, float]:
+        """The rollout batch of `step`: the sampler samples, the teachers score. Returns it and both phases' seconds."""
         t_sample = time.perf_counter()
         items, groups = sample_batch(engine, routes, adapted_mix(mix, state.history, cfg.adaptive_mix), rng,
                                      prompts=cfg.prompts_per_step, group=cfg.group_size, temperature=cfg.temperature,
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 100_003 + step + rank * 1_000_003)
         t_score = time.perf_counter()
-        batch = build_batch(model, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
+        batch = build_batch(sampler, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
                             old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout)
         return batch, t_score - t_sample, time.perf_counter() - t_score
 
@@ -444,25 +446,22 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     if cfg.sample_ahead:
         from concurrent.futures import ThreadPoolExecutor
 
-        sampler = copy.deepcopy(student)
-        engine = get_engine("embedded", model=sampler, tokenizer=tokenizer)
         pool = ThreadPoolExecutor(1, thread_name_prefix="opd-sample-ahead")
     while state.step < cfg.steps:
         generator = None
         if pool is None:
-            batch, s_sample, s_score = produce(state.step, student)
+            batch, s_sample, s_score = produce(state.step)
             t_update = time.perf_counter()
         else:
             t_wait = time.perf_counter()
             if ahead is None:
-                ahead = pool.submit(produce, state.step, sampler)
+                ahead = pool.submit(produce, state.step)
             batch, _, _ = ahead.result()
             sampler.load_state_dict(student.state_dict())  # the next batch samples the student as it is now
             ahead = None
             if state.step + 1 < cfg.steps:
-                rng_ahead = random.Random()
-                rng_ahead.setstate(rng.getstate())
-                ahead = pool.submit(produce, state.step + 1, sampler)
+                rng_ahead = copy.copy(rng)
+                ahead = pool.submit(produce, state.step + 1)
             t_update = time.perf_counter()
             s_sample, s_score = t_update - t_wait, 0.0  # the wait for the batch; its own seconds overlapped
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.step * 7_919 + rank)
