@@ -111,7 +111,9 @@ def _storage_idle(storage: str) -> bool:
 def _stop_mid_trial(workers: list[subprocess.Popen], storage: str, timeout_s: float = 300) -> list:
     """SIGSTOP the workers at a moment each is inside a trial it has tagged, with no transaction open;
     returns the RUNNING trials."""
-    rdb = optuna.storages.RDBStorage(storage)  # one connection pool for all the polling
+    # one connection pool for all the polling; SQLite readers wait out a worker's commit as opd's own do
+    rdb = optuna.storages.RDBStorage(
+        storage, engine_kwargs={"connect_args": {"timeout": 60}} if storage.startswith("sqlite") else None)
     deadline = time.monotonic() + timeout_s
     pids = {w.pid for w in workers}
     while time.monotonic() < deadline:
@@ -119,11 +121,13 @@ def _stop_mid_trial(workers: list[subprocess.Popen], storage: str, timeout_s: fl
         if _workers_of(_running(rdb)) >= pids:
             for w in workers:
                 w.send_signal(signal.SIGSTOP)
-            running = _running(rdb)
-            if all(read(t).worker for t in running) and _workers_of(running) >= pids \
-                    and _storage_idle(storage):
-                rdb.engine.dispose()
-                return running
+            # a worker stopped inside a commit holds SQLite's exclusive lock, and reading now would wait
+            # for it for ever: look at the trials only once no transaction is open
+            if _storage_idle(storage):
+                running = _running(rdb)
+                if all(read(t).worker for t in running) and _workers_of(running) >= pids:
+                    rdb.engine.dispose()
+                    return running
             for w in workers:
                 w.send_signal(signal.SIGCONT)
         time.sleep(0.05)

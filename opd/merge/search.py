@@ -214,7 +214,11 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        storage = optuna.storages.RDBStorage(recipe.storage_url, heartbeat_interval=30, grace_period=120)
+        # SQLite lets one writer in at a time and, by default, gives up after 5 s ("database is locked"):
+        # workers on a loaded machine wait longer than that for each other, so they wait up to a minute.
+        engine = {"connect_args": {"timeout": 60}} if recipe.storage_url.startswith("sqlite") else None
+        storage = optuna.storages.RDBStorage(recipe.storage_url, engine_kwargs=engine,
+                                             heartbeat_interval=30, grace_period=120)
     except Exception as e:  # a wrong URL, an unreachable server, a refused login
         raise _storage_error(recipe, "cannot open the study storage", e) from None
     summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
