@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
-from opd.weights import regmean, subspace, wudi
+from opd.weights import adamerging, regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
 from opd.weights.sort_cache import cached_magnitude
 
@@ -41,6 +41,7 @@ METHOD_INPUTS = {
     "tsv_m": "base+experts", "iso_c": "base+experts", "iso_cts": "base+experts",  # opd.weights.subspace
     "regmean": "experts",  # opd.weights.regmean
     "wudi": "base+experts",  # opd.weights.wudi
+    "adamerging": "base+experts",  # opd.weights.adamerging
     "slerp": "pair", "nearswap": "pair", "arcee_fusion": "pair",
 }
 # Methods whose result depends on torch's global RNG (DARE's random drop, DELLA's sampling).
@@ -48,7 +49,7 @@ RANDOM_METHODS = {"dare_ties", "dare_linear", "della", "della_linear"}
 # Required per-model parameters get a neutral value when a recipe leaves them out.
 _REQUIRED_DEFAULTS = {"weight": 1.0}
 # opd's own methods: registered with mergekit here, so that both merge paths find them.
-_OPD_METHODS = (*subspace.METHODS, *regmean.METHODS, *wudi.METHODS)
+_OPD_METHODS = (*subspace.METHODS, *regmean.METHODS, *wudi.METHODS, *adamerging.METHODS)
 OPD_METHODS = tuple(m.spec.name for m in _OPD_METHODS)
 
 
@@ -63,9 +64,11 @@ def _register_opd_methods() -> None:
 
 
 _register_opd_methods()
-# Data-aware methods: method -> hook(paths, shared, per_model) that reads the experts' directories
-# (RegMean's Gram matrices) before either merge path runs.
-PREPARE = {**regmean.PREPARE, **wudi.PREPARE}
+# Data-aware methods: method -> hook(paths, shared, per_model, base) that reads the experts' (and the
+# base's) directories before either merge path runs: RegMean's Gram matrices, AdaMerging's fit.
+PREPARE = {**regmean.PREPARE, **wudi.PREPARE, **adamerging.PREPARE}
+# Float parameters that a method takes once for the whole model, never per layer group.
+WHOLE_MODEL = {"adamerging": adamerging.WHOLE_MODEL}
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Method:
     shared: dict[str, Any]  # parameter -> mergekit default (None when required)
     per_model: dict[str, Any]
     pretty: str
-    floats: frozenset[str]  # the float parameters, which may take a value per layer group
+    floats: frozenset[str]  # the float parameters that may take a value per layer group
     native: bool  # shipped with mergekit (a plain `mergekit-yaml` runs it), not one of opd's own
 
 
@@ -101,7 +104,8 @@ def method(name: str) -> Method:
     for p in spec.parameters:
         default = None if p.required else p.default
         (shared if p.scope == ParameterScope.SHARED else per_model)[p.name] = default
-    floats = frozenset(p.name for p in spec.parameters if _is_float(p.value_type))
+    whole = WHOLE_MODEL.get(spec.name, frozenset())
+    floats = frozenset(p.name for p in spec.parameters if _is_float(p.value_type) and p.name not in whole)
     return Method(spec.name, METHOD_INPUTS[spec.name], shared, per_model, spec.pretty_name or spec.name, floats,
                   spec.name not in OPD_METHODS)
 
@@ -254,7 +258,7 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
     """
     _method(cand)
-    _prepare(cand.strategy, expert_paths, cand.shared, cand.per_model)
+    _prepare(cand.strategy, expert_paths, cand.shared, cand.per_model, base_path)
     if cand.strategy not in RANDOM_METHODS:
         return merge_in_memory(cand, base_sd, expert_sds, layout_for(base_path) if cand.layerwise else None)
     import tempfile
@@ -279,18 +283,19 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
     # statistics are the experts' own: a method that takes a base (WUDI) reads none of it
     models = [m for m in config.get("models", []) if m["model"] != config.get("base_model")]
     _prepare(config["merge_method"], {m["model"]: m["model"] for m in models}, config.get("parameters"),
-             {m["model"]: m.get("parameters") or {} for m in models})
+             {m["model"]: m.get("parameters") or {} for m in models}, config.get("base_model"))
     # no model card for a search's temporary merge: writing one looks its inputs up on the Hub
     run_merge(cfg, out_dir, options=MergeOptions(device="cpu", random_seed=seed, quiet=True,
                                                  copy_tokenizer=copy_tokenizer, write_model_card=copy_tokenizer))
 
 
-def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model: dict | None = None) -> None:
-    """Data-aware methods (RegMean's and WUDI's Gram matrices) read their experts' directories before
-    merging; `per_model` (input id -> its parameters) carries the importances RegMean++'s statistics
+def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model: dict | None = None,
+             base: str | None = None) -> None:
+    """Data-aware methods (RegMean's and WUDI's Gram matrices, AdaMerging's fit) read their experts'
+    directories (and the base's: `base`) before merging; `per_model` (input id -> its parameters) carries the importances RegMean++'s statistics
     depend on."""
     if method in PREPARE:
-        PREPARE[method](paths, shared or {}, per_model or {})
+        PREPARE[method](paths, shared or {}, per_model or {}, base)
 
 
 def merge_keys(sd: dict) -> dict:

@@ -261,16 +261,23 @@ def lab_sequences(model, tokenizer, capability: str, n: int, inputs: str = INPUT
     """The token ids the statistics are taken over: `n` train prompts of `capability`, each followed,
     for inputs="completion", by `model`'s greedy completion without its last token (the stop, or the
     last of max_new_tokens + 2: generation never feeds it back)."""
+    if inputs == "prompt":
+        return [tokenizer(p, add_special_tokens=False).input_ids for p in lab_prompts(capability, n, seed)]
+    return [p + c[:-1] for p, c in zip(*lab_completions(model, tokenizer, capability, n, seed))]
+
+
+def lab_completions(model, tokenizer, capability: str, n: int,
+                    seed: int = DATA_SEED) -> tuple[list[list[int]], list[list[int]]]:
+    """The token ids of `n` train prompts of `capability` and of `model`'s greedy completion of each,
+    its stop token included (up to the capability's max_new_tokens + 2 tokens, as lm-eval generates)."""
     from opd.capabilities import get_capability
     from opd.rollout.base import SamplingParams
     from opd.rollout.embedded import EmbeddedEngine
 
     prompts = lab_prompts(capability, n, seed)
-    if inputs == "prompt":
-        return [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     params = SamplingParams(temperature=0.0, max_new_tokens=get_capability(capability).max_new_tokens + 2)
     rollouts = EmbeddedEngine(model, tokenizer, batch_size=BATCH * 4).generate(prompts, 1, params)
-    return [list(r.prompt_ids) + list(r.completion_ids[:-1]) for (r,) in rollouts]
+    return [list(r.prompt_ids) for (r,) in rollouts], [list(r.completion_ids) for (r,) in rollouts]
 
 
 class _Stop(Exception):
@@ -496,7 +503,7 @@ def _merged_key(settings: tuple, members: Sequence[tuple[str, float]]) -> tuple:
 
 
 def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
-            per_model: Mapping[Hashable, Mapping] | None = None) -> None:
+            per_model: Mapping[Hashable, Mapping] | None = None, base: str | Path | None = None) -> None:
     """Compute (or find) the statistics of each input and bind them to its id and its resolved path,
     so both merge paths (ids = names in memory, ModelReferences in run_merge) find them. For
     propagate=merged, also RegMean++'s statistics of the whole set with its importances (each input's

@@ -177,7 +177,8 @@ def needs_data(data: Any) -> bool:
     return not isinstance(data, int | float) or data != 0
 
 
-def prepare(paths: Mapping, shared: Mapping | None = None, per_model: Mapping | None = None) -> None:
+def prepare(paths: Mapping, shared: Mapping | None = None, per_model: Mapping | None = None,
+            base: str | None = None) -> None:
     """Before a data-aware merge (data > 0): the experts' Grams, through RegMean's `prepare` (computed
     once per expert and settings, cached for the process) and bound to the merge inputs' ids. `paths`:
     the experts' (input id -> directory), never the base's."""
@@ -210,15 +211,23 @@ def wudi_merge(
     base = group.base.tensor
     entries = group.non_base
     deltas = [w * (e.tensor - base) for e, w in zip(entries, weight.values_for(entries))]
+    return base + update(group, deltas, alpha, solver, data, prompts, inputs, lr, steps).to(base.dtype)
+
+
+def update(group: TensorGroup, deltas: Sequence[Tensor], alpha: float = 1.0, solver: str = "exact",
+           data: float = 0.0, prompts: int = regmean.PROMPTS, inputs: str = regmean.INPUTS, lr: float = LR,
+           steps: int = STEPS) -> Tensor:
+    """The merged update of one mergekit tensor group from its task vectors `deltas`: `wudi` for a
+    matrix that decomposes (with the inputs' Grams when data > 0 and they exist), the mean otherwise."""
     if not decomposes(group):
-        return base + task_mean(deltas, alpha).to(base.dtype)
+        return task_mean(deltas, alpha)
     grams = None
     if data:
-        stats = regmean.input_stats([e.id for e in entries], prompts, inputs, method="wudi")
+        stats = regmean.input_stats([e.id for e in group.non_base], prompts, inputs, method="wudi")
         grams = [s.get(group.metadata.name or "") for s in stats]
     if grams is None or any(g is None for g in grams):
-        return base + wudi(deltas, alpha, solver=solver, lr=lr, steps=steps).to(base.dtype)
-    return base + wudi(deltas, alpha, grams, data, solver, lr=lr, steps=steps).to(base.dtype)
+        return wudi(deltas, alpha, solver=solver, lr=lr, steps=steps)
+    return wudi(deltas, alpha, grams, data, solver, lr=lr, steps=steps)
 
 
 METHODS = (wudi_merge,)
