@@ -2,7 +2,7 @@
 model mergekit's own `run_merge` builds from it, checked tensor for tensor against the search's merge.
 
 The export runs in a process that imported `opd.weights.merge`, so opd's own methods (tsv_m, iso_c,
-iso_cts, regmean, wudi) are registered with mergekit; a plain `mergekit-yaml` does not know them.
+iso_cts, regmean, wudi, adamerging) are registered with mergekit; a plain `mergekit-yaml` does not know them.
 """
 
 from __future__ import annotations
