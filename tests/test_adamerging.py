@@ -70,14 +70,21 @@ def test_fit_lowers_the_objective_from_the_wudi_start(lab3):
     lab, sds = lab3
     model, base, start, deltas, data = _parts(lab, sds)
     a, lam, losses = fit(model, base, start, deltas, data, steps=0)
-    assert losses == [] and torch.equal(a, torch.ones(len(base))) and not lam.any()
+    assert losses == [] and all(float(v) == 1.0 for v in a.values()) and not any(v.any() for v in lam.values())
     before = float(objective(model, merged_params(base, start, deltas, a, lam), data))
     assert before > 0  # the WUDI merge is not every expert
-    a, lam, losses = fit(model, base, start, deltas, data, steps=25, lr=0.05, batch=6)
-    assert len(losses) == 25 and lam.shape == (3, len(base)) and lam.any()
-    with torch.no_grad():
-        after = float(objective(model, merged_params(base, start, deltas, a, lam), data))
-    assert after < 0.9 * before, (before, after)
+    after = {}
+    for granularity in ("tensor", "row"):
+        a, lam, losses = fit(model, base, start, deltas, data, steps=25, lr=0.05, batch=6, granularity=granularity)
+        k = "model.layers.0.mlp.up_proj.weight"
+        rows = base[k].shape[0]
+        assert lam[k].shape == ((3,) if granularity == "tensor" else (3, rows, 1))
+        assert a[k].shape == (() if granularity == "tensor" else (rows, 1))
+        assert len(losses) == 25 and lam[k].any()
+        with torch.no_grad():
+            after[granularity] = float(objective(model, merged_params(base, start, deltas, a, lam), data))
+        assert after[granularity] < 0.9 * before, (before, after)
+    assert after["row"] < after["tensor"]  # more coefficients fit the experts closer
 
 
 def test_registered_with_mergekit_and_the_strategies(tmp_path):
@@ -91,7 +98,7 @@ def test_registered_with_mergekit_and_the_strategies(tmp_path):
     s = get_strategy("adamerging")
     assert s.inputs == "base+experts" and not s.native and s.per_model == {}
     assert s.shared == {"data": 1.0, "prompts": 64, "inputs": "completion", "samples": 128, "fit_steps": 300,
-                        "fit_lr": 0.01, "fit_batch": 8, "fit_seed": 0}
+                        "fit_lr": 0.01, "fit_batch": 8, "fit_seed": 0, "granularity": "tensor"}
     assert not s.layerwise  # one fit for the whole model
     hybrid = get_strategy("adamerging+opd")  # OPD's steps and lr are its own, not the fit's
     assert hybrid.shared["fit_steps"] == 300 and hybrid.shared["steps"] != 300
@@ -104,6 +111,7 @@ def test_registered_with_mergekit_and_the_strategies(tmp_path):
     ("strategies.adamerging={fit_lr: -1}", "'fit_lr' = -1: Input should be greater than or equal to 0"),
     ("strategies.adamerging={fit_batch: 0}", "'fit_batch' = 0: Input should be greater than or equal to 1"),
     ("strategies.adamerging={inputs: answers}", "'inputs' = 'answers'"),
+    ("strategies.adamerging={granularity: column}", "'granularity' = 'column'"),
     ("strategies.adamerging={data: {range: [0.0, 1.0], layer_groups: 2}}",
      "'data' cannot be searched per layer group"),
 ])
@@ -136,21 +144,24 @@ def test_refuses_to_merge_without_a_fit_or_with_per_layer_settings(lab3):
         prepare(paths, {})
 
 
-def test_merge_candidate_is_the_fit_and_run_merge_refits_it(lab3, tmp_path):
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_merge_candidate_is_the_fit_and_run_merge_refits_it(lab3, tmp_path, granularity):
     from opd.weights import adamerging, regmean
     from opd.weights.merge import Candidate, merge_candidate, mergekit_config, run_mergekit
 
     lab, sds = lab3
     experts = list(lab["experts"])
     paths = {e: str(lab["experts"][e]) for e in experts}
-    cand = Candidate(strategy="adamerging", shared=SMALL)
+    adamerging._FITS.clear()
+    cand = Candidate(strategy="adamerging", shared={**SMALL, "granularity": granularity})
     mine = merge_candidate(cand, str(lab["base"]), paths, sds["base"], {e: sds[e] for e in experts})
     # the maths: base + a·WUDI + Σ λ τ with the fitted coefficients, tensor by tensor
-    ((names, a, lam, order),) = adamerging._FITS.values()
+    ((a, lam, order),) = adamerging._FITS.values()
     _, base, start, deltas, _ = _parts(lab, sds)
-    assert order == sorted(str(p.resolve()) for p in lab["experts"].values()) and lam.any()  # _parts' order
-    for j, k in enumerate(names):
-        torch.testing.assert_close(mine[k], combine(base[k], start[k], [d[k] for d in deltas], a[j], lam[:, j]),
+    assert order == sorted(str(p.resolve()) for p in lab["experts"].values())  # _parts' order
+    assert set(a) == set(base) and any(v.any() for v in lam.values())
+    for k in base:
+        torch.testing.assert_close(mine[k], combine(base[k], start[k], [d[k] for d in deltas], a[k], lam[k]),
                                    rtol=0, atol=1e-6)
     # a fresh process (the export) has no fit and no Grams: the YAML pins every setting and run_merge
     # refits the same coefficients, tensor for tensor
@@ -160,7 +171,7 @@ def test_merge_candidate_is_the_fit_and_run_merge_refits_it(lab3, tmp_path):
     regmean._BOUND.clear()
     doc = mergekit_config(cand, str(lab["base"]), paths)
     assert doc["merge_method"] == "adamerging" and doc["base_model"] == str(lab["base"])
-    assert doc["parameters"] == {**SMALL, "fit_seed": 0}
+    assert doc["parameters"] == {**SMALL, "fit_seed": 0, "granularity": granularity}
     run_mergekit(doc, str(tmp_path / "out"))
     ref = load_file(tmp_path / "out" / "model.safetensors")
     assert set(ref) == set(mine)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 
 import torch
 from mergekit.merge_methods import BasePolicy, InputContract, TensorGroup, merge_method
@@ -47,14 +47,18 @@ from opd.weights import regmean, wudi
 
 Tensor = torch.Tensor
 STEPS, LR, BATCH, SAMPLES, DATA, SEED = 300, 1e-2, 8, 128, 1.0, 0
+Granularity = Literal["tensor", "row"]
+GRANULARITY = "tensor"
 DATA_SEED = 1  # which train prompts the fit sees: not RegMean's (seed 0), fixed so a YAML pins them
 
 
 def combine(base: Tensor, start: Tensor, deltas: Sequence[Tensor], a: Tensor | float,
-            lams: Tensor | Sequence[float]) -> Tensor:
+            lams: Tensor | Sequence) -> Tensor:
     """θ_0 + a · S + Σ_t λ_t τ_t for one tensor: base θ_0, start update S, task vectors τ_t (all one
-    shape), a scalar a and one λ_t per task vector. Differentiable in a and the λ."""
-    lams = torch.as_tensor(lams, dtype=base.dtype) if not isinstance(lams, Tensor) else lams
+    shape), a and one λ_t per task vector, each a scalar or (granularity `row`) one value per output
+    row, shaped (rows, 1, ...) to broadcast. Differentiable in a and the λ."""
+    if not isinstance(lams, Tensor):
+        lams = torch.stack([torch.as_tensor(x, dtype=base.dtype) for x in lams]) if len(lams) else torch.zeros(0)
     if len(deltas) != len(lams):
         raise ValueError(f"adamerging: {len(deltas)} task vectors but {len(lams)} coefficients")
     out = base + a * start
@@ -85,9 +89,9 @@ def completion_batch(model, tokenizer, capability: str, n: int, seed: int = DATA
 
 
 def merged_params(base: Mapping[str, Tensor], start: Mapping[str, Tensor], deltas: Sequence[Mapping[str, Tensor]],
-                  a: Tensor, lam: Tensor) -> dict[str, Tensor]:
-    """`combine` for every tensor k of `base`, with a[k] and λ[:, k] (k in `base`'s order)."""
-    return {k: combine(base[k], start[k], [d[k] for d in deltas], a[j], lam[:, j]) for j, k in enumerate(base)}
+                  a: Mapping[str, Tensor], lam: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`combine` for every tensor k of `base`, with a[k] and λ[k]."""
+    return {k: combine(base[k], start[k], [d[k] for d in deltas], a[k], lam[k]) for k in base}
 
 
 def objective(model: torch.nn.Module, params: Mapping[str, Tensor], data: Sequence[tuple[Tensor, ...]],
@@ -109,17 +113,25 @@ def objective(model: torch.nn.Module, params: Mapping[str, Tensor], data: Sequen
     return loss / len(data)
 
 
+def coefficient_shape(tensor: Tensor, granularity: str) -> tuple[int, ...]:
+    """One coefficient for the tensor (`tensor`), or one per output row (`row`), shaped to broadcast."""
+    if granularity == "tensor" or tensor.ndim == 0:
+        return ()
+    return (tensor.shape[0],) + (1,) * (tensor.ndim - 1)
+
+
 def fit(model: torch.nn.Module, base: Mapping[str, Tensor], start: Mapping[str, Tensor],
         deltas: Sequence[Mapping[str, Tensor]], data: Sequence[tuple[Tensor, ...]], steps: int = STEPS,
-        lr: float = LR, batch: int = BATCH, seed: int = SEED, progress=None) -> tuple[Tensor, Tensor, list[float]]:
-    """Learn a (K,) and λ (T, K) for the K tensors of `base` (a state dict `model` takes), the start
+        lr: float = LR, batch: int = BATCH, seed: int = SEED, granularity: str = GRANULARITY,
+        progress=None) -> tuple[dict[str, Tensor], dict[str, Tensor], list[float]]:
+    """Learn a and λ (T, ...) of each tensor of `base` (a state dict `model` takes), for the start
     updates `start` and the T experts' task vectors `deltas`, each with its `completion_batch` in
-    `data`: Adam on the mean of the experts' `token_kl`. Returns a, λ and the loss of each step.
-    `progress(step, loss)` is called after each step."""
-    names = list(base)
-    a = torch.ones(len(names), requires_grad=True)
-    lam = torch.zeros(len(deltas), len(names), requires_grad=True)
-    opt = torch.optim.Adam([a, lam], lr=lr)
+    `data`: Adam on the mean of the experts' `token_kl`. Returns {tensor: a}, {tensor: λ} and the loss
+    of each step. `progress(step, loss)` is called after each step."""
+    shapes = {k: coefficient_shape(v, granularity) for k, v in base.items()}
+    a = {k: torch.ones(sh, requires_grad=True) for k, sh in shapes.items()}
+    lam = {k: torch.zeros((len(deltas), *sh), requires_grad=True) for k, sh in shapes.items()}
+    opt = torch.optim.Adam([*a.values(), *lam.values()], lr=lr)
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for step in range(steps):
@@ -131,12 +143,12 @@ def fit(model: torch.nn.Module, base: Mapping[str, Tensor], start: Mapping[str, 
         losses.append(float(loss.detach()))
         if progress is not None:
             progress(step + 1, losses[-1])
-    return a.detach(), lam.detach(), losses
+    return {k: v.detach() for k, v in a.items()}, {k: v.detach() for k, v in lam.items()}, losses
 
 
-# The process's fits: key -> (names, a, λ, canonical expert paths in λ's row order); and what each
-# merge input id (a name or a path) resolves to.
-_FITS: dict[tuple, tuple[list[str], Tensor, Tensor, list[str]]] = {}
+# The process's fits: key -> ({tensor: a}, {tensor: λ (T, ...)}, canonical expert paths in λ's order);
+# and what each merge input id (a name or a path) resolves to.
+_FITS: dict[tuple, tuple[dict[str, Tensor], dict[str, Tensor], list[str]]] = {}
 _CANON: dict[str, str] = {}
 _BOUND: dict[tuple, tuple] = {}  # (frozenset of canonical expert paths, settings) -> fit key
 
@@ -158,7 +170,10 @@ def _settings(shared: Mapping | None) -> tuple:
     inputs = shared.get("inputs", regmean.INPUTS)
     if inputs not in ("prompt", "completion"):
         raise OpdError(f"adamerging: inputs must be 'prompt' or 'completion', got {inputs!r}")
-    return (*out, inputs)
+    granularity = shared.get("granularity", GRANULARITY)
+    if granularity not in get_args(Granularity):
+        raise OpdError(f"adamerging: granularity must be one of {list(get_args(Granularity))}, got {granularity!r}")
+    return (*out, inputs, granularity)
 
 
 def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
@@ -174,7 +189,7 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
     if base is None:
         raise OpdError("adamerging needs the base model's directory to fit its coefficients")
     settings = _settings(shared)
-    data, prompts, samples, steps, lr, batch, seed, inputs = settings
+    data, prompts, samples, steps, lr, batch, seed, inputs, granularity = settings
     canons = {i: str(Path(p).resolve()) for i, p in paths.items()}
     order = sorted(set(canons.values()))
     manifests = {c: load_manifest(c) for c in order}
@@ -191,8 +206,8 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
             batches.append(completion_batch(model, tokenizer, manifests[c].capability, samples, DATA_SEED))
         start = _start(base_sd, experts, [str(c) for c in order], data, prompts, inputs)
         deltas = [{k: e[k] - base_sd[k] for k in base_sd} for e in experts]
-        a, lam, _ = fit(base_model, base_sd, start, deltas, batches, steps, lr, batch, seed)
-        _FITS[key] = (list(base_sd), a, lam, order)
+        a, lam, _ = fit(base_model, base_sd, start, deltas, batches, steps, lr, batch, seed, granularity)
+        _FITS[key] = (a, lam, order)
     wudi.prepare(paths, {"data": data, "prompts": prompts, "inputs": inputs})  # the start's Grams, by these ids
     for i, c in canons.items():
         _CANON[regmean._input_key(i)] = _CANON[c] = c
@@ -212,8 +227,8 @@ def _start(base: Mapping[str, Tensor], experts: Sequence[Mapping[str, Tensor]], 
     return {k: merged[k] - base[k] for k in base}
 
 
-def coefficients(ids: Sequence[Hashable], shared: Mapping | None, name: str) -> tuple[float, list[float]]:
-    """(a, [λ of each input in `ids`' order]) of tensor `name`, fitted by `prepare`."""
+def coefficients(ids: Sequence[Hashable], shared: Mapping | None, name: str) -> tuple[Tensor, Tensor]:
+    """(a, λ of each input in `ids`' order, stacked) of tensor `name`, fitted by `prepare`."""
     canons = []
     for i in ids:
         c = _CANON.get(regmean._input_key(i))
@@ -227,11 +242,10 @@ def coefficients(ids: Sequence[Hashable], shared: Mapping | None, name: str) -> 
     if key is None:
         raise OpdError(f"adamerging: no fit for this set of experts and settings {_settings(shared)}; "
                        "opd.weights.adamerging.prepare fits it before the merge")
-    names, a, lam, order = _FITS[key]
-    if name not in names:
+    a, lam, order = _FITS[key]
+    if name not in a:
         raise OpdError(f"adamerging: tensor {name!r} was not in the base the coefficients were fitted on")
-    j = names.index(name)
-    return float(a[j]), [float(lam[order.index(c), j]) for c in canons]
+    return a[name], lam[name][[order.index(c) for c in canons]]
 
 
 _CONTRACT = InputContract(base=BasePolicy.REQUIRED, min_non_base=1)
@@ -249,12 +263,14 @@ def adamerging_merge(
     fit_lr: Annotated[float, Field(ge=0, description="the fit's learning rate")] = LR,
     fit_batch: Annotated[int, Field(ge=1, description="sequences per expert per step")] = BATCH,
     fit_seed: Annotated[int, Field(ge=0, description="seed of the fit's minibatches")] = SEED,
+    granularity: Annotated[Granularity, Field(description="one coefficient per tensor, or per output row")]
+    = GRANULARITY,
 ) -> torch.Tensor:
     base = group.base.tensor
     entries = group.non_base
     name = group.metadata.name or ""
     shared = {"data": data, "prompts": prompts, "inputs": inputs, "samples": samples, "fit_steps": fit_steps,
-              "fit_lr": fit_lr, "fit_batch": fit_batch, "fit_seed": fit_seed}
+              "fit_lr": fit_lr, "fit_batch": fit_batch, "fit_seed": fit_seed, "granularity": granularity}
     a, lams = coefficients([e.id for e in entries], shared, name)
     deltas = [e.tensor - base for e in entries]
     start = wudi.update(group, deltas, data=data, prompts=prompts, inputs=inputs)
