@@ -9,10 +9,10 @@ layer (its "layer-wise" variant) by gradient descent on unlabelled test inputs. 
 
 - S_k: the WUDI merge's update of tensor k (opd.weights.wudi, alpha 1, the closed-form solve, with
   its `data` term on RegMean's Grams over `prompts` prompts), the start AdaMerging adjusts. A linear
-  combination of the τ_t alone cannot express WUDI's per-input-direction mixing, and at ten experts
-  no per-tensor scalar mix of them comes close: on lab10, seed 0, the same fit from task arithmetic
-  (λ = 0.3, no S) kept 0.31 of the weakest expert on val against 0.66 from WUDI.
-- a_k starts at 1 and λ_t,k at 0, so step 0 is the WUDI merge; T + 1 scalars per tensor in all.
+  combination of the τ_t alone cannot express WUDI's per-input-direction mixing (at ten experts a
+  trial of the same fit from task arithmetic, λ = 0.3 and no S, kept far less on lab10's val).
+- a_k starts at 1 and λ_t,k at 0, so step 0 is the WUDI merge; T + 1 scalars per tensor in all
+  (`granularity: tensor`), or T + 1 per output row of each tensor (`row`: per element of a 1-D one).
 - The objective is not AdaMerging's prediction entropy but distillation from each expert on its own
   unlabelled data: the mean over experts t of the per-token KL(expert_t ‖ merged), on `samples`
   train prompts of t's capability (from its manifest) followed by t's own greedy completion, over
