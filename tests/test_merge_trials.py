@@ -101,3 +101,38 @@ def test_strategies_say_how_the_best_model_was_made():
     assert (card.kind, card.recipe_file, card.tags) == ("distilled", "distill.yaml", ("distillation",))
     assert card.recipe["init"]["merge_method"] == "ties" and card.recipe["opd"]["strategy"] == "ties+opd"
     assert get_strategy("opd").card(Candidate(strategy="opd"), "/b", paths, ctx).recipe["init"] == "base"
+
+
+def test_final_candidates_reads_the_study_once_while_workers_finish_trials(tmp_path):
+    """Another worker may complete a trial between two reads of a shared study: the final set is taken
+    from one read (a second read once raised KeyError on the trial that appeared in between)."""
+    import optuna
+    import yaml
+
+    from opd.merge import load_recipe
+    from opd.merge.search import final_candidates
+    from opd.merge.trials import update
+    from opd.weights.merge import Candidate
+
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"name": "r", "experts": ["a", "b"], "strategies": {"linear": {}},
+                                                      "out": str(tmp_path / "out"), "final_candidates": 2}))
+    recipe = load_recipe(tmp_path / "r.yaml")
+    study = optuna.create_study(directions=["maximize", "maximize"])
+
+    def complete(values):
+        t = study.ask()
+        update(t, candidate=Candidate(strategy="linear"), stage="full", min_retention=values[0])
+        study.tell(t, values)
+
+    complete([0.5, 0.9])
+    complete([0.8, 0.2])
+    get_trials = study.get_trials
+
+    def growing(*args, **kwargs):  # each read sees one more trial, finished by another worker meanwhile
+        trials = get_trials(*args, **kwargs)
+        complete([0.1, 0.1])
+        return trials
+
+    study.get_trials = growing
+    chosen = final_candidates(recipe, study)
+    assert sorted(t.number for t in chosen) == [0, 1]

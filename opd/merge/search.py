@@ -355,8 +355,9 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
 
 def final_candidates(recipe: MergeRecipe, study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """The full-val Pareto set (best min retention first, capped) plus each strategy's best."""
-    recs = {t.number: trials.read(t) for t in finished(study)}
-    full = {t.number: t for t in finished(study) if recs[t.number].stage == "full"}
+    done = finished(study)  # once: workers may still be finishing trials of a shared study
+    recs = {t.number: trials.read(t) for t in done}
+    full = {t.number: t for t in done if recs[t.number].stage == "full"}
     if not full:
         raise OpdError(f"study {recipe.name!r} has no trial scored on the full val split; raise the budget")
     key = {n: (recs[n].min_retention, sum(t.values)) for n, t in full.items()}
