@@ -292,8 +292,8 @@ def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool
 def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model: dict | None = None,
              base: str | None = None) -> None:
     """Data-aware methods (RegMean's and WUDI's Gram matrices, AdaMerging's fit) read their experts'
-    directories (and the base's: `base`) before merging; `per_model` (input id -> its parameters) carries the importances RegMean++'s statistics
-    depend on."""
+    directories (and the base's, `base`, which only AdaMerging reads) before merging; `per_model`
+    (input id -> its parameters) carries the importances RegMean++'s statistics depend on."""
     if method in PREPARE:
         PREPARE[method](paths, shared or {}, per_model or {}, base)
 
