@@ -34,7 +34,8 @@ naming the input, when `prepare` did not run. A plain `mergekit-yaml` cannot run
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -206,12 +207,32 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
             batches.append(completion_batch(model, tokenizer, manifests[c].capability, samples, DATA_SEED))
         start = _start(base_sd, experts, [str(c) for c in order], data, prompts, inputs)
         deltas = [{k: e[k] - base_sd[k] for k in base_sd} for e in experts]
-        a, lam, _ = fit(base_model, base_sd, start, deltas, batches, steps, lr, batch, seed, granularity)
+        with _fit_bar(steps, len(order)) as progress:
+            a, lam, _ = fit(base_model, base_sd, start, deltas, batches, steps, lr, batch, seed, granularity,
+                            progress)
         _FITS[key] = (a, lam, order)
     wudi.prepare(paths, {"data": data, "prompts": prompts, "inputs": inputs})  # the start's Grams, by these ids
     for i, c in canons.items():
         _CANON[regmean._input_key(i)] = _CANON[c] = c
     _BOUND[(frozenset(order), settings)] = key
+
+
+@contextmanager
+def _fit_bar(steps: int, experts: int) -> Iterator[Callable[[int, float], None]]:
+    """The fit's section of the live display (opd.display): its steps and the mean KL of the last."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from opd.display import display
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[info]}"))
+    task = bar.add_task(f"adamerging fit ({experts} experts)", total=steps, info="")
+
+    def progress(step: int, loss: float) -> None:
+        bar.update(task, completed=step, info=f"KL {loss:.3f}")
+
+    with display.section("adamerging", lambda: bar):
+        yield progress
 
 
 def _start(base: Mapping[str, Tensor], experts: Sequence[Mapping[str, Tensor]], paths: Sequence[str],
