@@ -81,6 +81,17 @@ def _workers_of(trials) -> set[int]:
     return {int(read(t).worker.rpartition(":")[2]) for t in trials if read(t).worker}
 
 
+def _stopped(procs: list[subprocess.Popen], timeout_s: float = 10) -> bool:
+    """Whether every process is in the stopped state ('T' in /proc/<pid>/stat) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [Path(f"/proc/{p.pid}/stat").read_text().rpartition(")")[2].split()[0] for p in procs]
+        if all(s == "T" for s in states):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def _storage_idle(storage: str) -> bool:
     """No session holds the storage mid-transaction (a worker stopped inside one would block the
     --resume's writes): SQLite grants an exclusive lock, PostgreSQL shows every other session idle."""
@@ -122,8 +133,9 @@ def _stop_mid_trial(workers: list[subprocess.Popen], storage: str, timeout_s: fl
             for w in workers:
                 w.send_signal(signal.SIGSTOP)
             # a worker stopped inside a commit holds SQLite's exclusive lock, and reading now would wait
-            # for it for ever: look at the trials only once no transaction is open
-            if _storage_idle(storage):
+            # for it for ever: look at the trials only once every worker has stopped (a signal is not
+            # delivered at once) and no transaction is open
+            if _stopped(workers) and _storage_idle(storage):
                 running = _running(rdb)
                 if all(read(t).worker for t in running) and _workers_of(running) >= pids:
                     rdb.engine.dispose()
