@@ -102,3 +102,12 @@ class Display:
 
 
 display = Display()
+
+
+def step_bar():
+    """A rich Progress for a loop's section: each task's description, bar, steps done of total, elapsed
+    time and an `info` field (add tasks with `info=""`)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.fields[info]}"))

@@ -51,15 +51,16 @@ def _parts(lab, sds):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.manifest import load_manifest
-    from opd.weights import adamerging
+    from opd.weights import adamerging, wudi
 
     experts = sorted(lab["experts"], key=lambda e: str(lab["experts"][e].resolve()))
     base = {k: v for k, v in sds["base"].items() if v.is_floating_point()}
     tok = AutoTokenizer.from_pretrained(lab["base"])
     data = [adamerging.completion_batch(AutoModelForCausalLM.from_pretrained(lab["experts"][e]).eval(), tok,
                                         load_manifest(lab["experts"][e]).capability, 6) for e in experts]
-    paths = [str(lab["experts"][e].resolve()) for e in experts]
-    start = adamerging._start(base, [sds[e] for e in experts], paths, 1.0, 4, "prompt")
+    by_path = {str(lab["experts"][e].resolve()): sds[e] for e in experts}
+    wudi.prepare({p: p for p in by_path}, {"data": 1.0, "prompts": 4, "inputs": "prompt"})
+    start = adamerging._start(base, by_path, 1.0, 4, "prompt")
     deltas = [{k: sds[e][k] - base[k] for k in base} for e in experts]
     return AutoModelForCausalLM.from_pretrained(lab["base"]), base, start, deltas, data
 

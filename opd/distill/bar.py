@@ -15,12 +15,9 @@ def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Cal
     if not enabled:
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from opd.display import display, step_bar
 
-    from opd.display import display
-
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[info]}"))
+    bar = step_bar()
     warm = bar.add_task(f"{name} warm start", total=cfg.warmstart_steps, info="",
                         visible=cfg.warmstart_steps > 0)
     opd = bar.add_task(f"{name} OPD", total=cfg.steps, info="")

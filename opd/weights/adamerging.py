@@ -72,7 +72,7 @@ def token_kl(teacher_lp: Tensor, student_logits: Tensor, mask: Tensor) -> Tensor
     """Mean over the masked positions of KL(teacher ‖ student) = Σ_v p_v (log p_v − log q_v):
     teacher log-probs and student logits (B, T, V), mask (B, T) of 0/1."""
     student_lp = torch.log_softmax(student_logits.float(), dim=-1)
-    kl = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
+    kl = torch.nn.functional.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -150,6 +150,7 @@ def fit(model: torch.nn.Module, base: Mapping[str, Tensor], start: Mapping[str, 
 # The process's fits: key -> ({tensor: a}, {tensor: λ (T, ...)}, canonical expert paths in λ's order);
 # and what each merge input id (a name or a path) resolves to.
 _FITS: dict[tuple, tuple[dict[str, Tensor], dict[str, Tensor], list[str]]] = {}
+_BASE_ID = object()  # the base's id in the start's merge: never an expert's name or path
 _CANON: dict[str, str] = {}
 _BOUND: dict[tuple, tuple] = {}  # (frozenset of canonical expert paths, settings) -> fit key
 
@@ -196,6 +197,7 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
     manifests = {c: load_manifest(c) for c in order}
     base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     key = (state_dict_hash(base_model), tuple(manifests[c].content_hash for c in order), settings)
+    wudi.prepare(paths, {"data": data, "prompts": prompts, "inputs": inputs})  # the start's Grams, by these ids
     if key not in _FITS:
         tokenizer = AutoTokenizer.from_pretrained(base)
         base_sd = {k: v for k, v in merge_keys(base_model.state_dict()).items() if v.is_floating_point()}
@@ -205,13 +207,13 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
             sd = merge_keys(model.state_dict())
             experts.append({k: sd[k].detach() for k in base_sd})
             batches.append(completion_batch(model, tokenizer, manifests[c].capability, samples, DATA_SEED))
-        start = _start(base_sd, experts, [str(c) for c in order], data, prompts, inputs)
+        ids = {c: i for i, c in canons.items()}
+        start = _start(base_sd, dict(zip((ids[c] for c in order), experts)), data, prompts, inputs)
         deltas = [{k: e[k] - base_sd[k] for k in base_sd} for e in experts]
         with _fit_bar(steps, len(order)) as progress:
             a, lam, _ = fit(base_model, base_sd, start, deltas, batches, steps, lr, batch, seed, granularity,
                             progress)
         _FITS[key] = (a, lam, order)
-    wudi.prepare(paths, {"data": data, "prompts": prompts, "inputs": inputs})  # the start's Grams, by these ids
     for i, c in canons.items():
         _CANON[regmean._input_key(i)] = _CANON[c] = c
     _BOUND[(frozenset(order), settings)] = key
@@ -220,12 +222,9 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
 @contextmanager
 def _fit_bar(steps: int, experts: int) -> Iterator[Callable[[int, float], None]]:
     """The fit's section of the live display (opd.display): its steps and the mean KL of the last."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from opd.display import display, step_bar
 
-    from opd.display import display
-
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[info]}"))
+    bar = step_bar()
     task = bar.add_task(f"adamerging fit ({experts} experts)", total=steps, info="")
 
     def progress(step: int, loss: float) -> None:
@@ -235,16 +234,16 @@ def _fit_bar(steps: int, experts: int) -> Iterator[Callable[[int, float], None]]
         yield progress
 
 
-def _start(base: Mapping[str, Tensor], experts: Sequence[Mapping[str, Tensor]], paths: Sequence[str],
-           data: float, prompts: int, inputs: str) -> dict[str, Tensor]:
-    """WUDI's update of every tensor, as the mergekit method computes it (opd.weights.wudi)."""
+def _start(base: Mapping[str, Tensor], experts: Mapping[Hashable, Mapping[str, Tensor]], data: float, prompts: int,
+           inputs: str) -> dict[str, Tensor]:
+    """WUDI's update of every tensor, as the mergekit method computes it (opd.weights.wudi): `experts`
+    by the merge input ids whose Grams `wudi.prepare` bound."""
     from mergekit.merge_methods import merge_state_dicts
 
-    models = {"base": dict(base), **{p: dict(e) for p, e in zip(paths, experts)}}
-    wudi.prepare({p: p for p in paths}, {"data": data, "prompts": prompts, "inputs": inputs})
+    models = {_BASE_ID: dict(base), **{i: dict(e) for i, e in experts.items()}}
     with torch.no_grad():
         merged = merge_state_dicts(models, "wudi", parameters={"alpha": 1.0, "solver": "exact", "data": data,
-                                                               "prompts": prompts, "inputs": inputs}, base="base")
+                                                               "prompts": prompts, "inputs": inputs}, base=_BASE_ID)
     return {k: merged[k] - base[k] for k in base}
 
 
