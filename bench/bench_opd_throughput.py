@@ -2,24 +2,29 @@
 teachers, prompts and base, in one process.
 
     python bench/bench_opd_throughput.py                       # the ten lab10 experts (runs/base, experts/lab10)
-    python bench/bench_opd_throughput.py --tokens 60000 --grid 15000
+    python bench/bench_opd_throughput.py --runs loop,tuned --tokens 160000 --grid 40000 --eval-limit 200 --seeds 3
     python bench/bench_opd_throughput.py --quick               # pico teachers built here, < 3 minutes
 
 Three runs from the base, each until it has sampled --tokens student tokens:
   loop     today's loop: teacher_forward=loop (one engine.score per teacher, then one more forward per
-           teacher for the full estimator's hidden states), the lab10 recipe's batch (20 prompts x 4), 1 thread;
+           teacher for the full estimator's hidden states), the lab10 recipe's batch (20 prompts x 4, 2
+           updates per step, lr --lr), 1 thread;
   stacked  the same settings with every teacher in one vmapped forward (the code change alone);
   tuned    stacked on the packed layout (opd.rl.packing: no padding, a group's prompt laid out once, each
            teacher one forward on its own packed rows), with --prompts x --group rows per step, --updates
-           minibatch updates per step and --threads per process; with --ranks N it runs data-parallel
-           under DeepSpeed ZeRO-2 on N CPU ranks (torchrun, gloo), each rank sampling --prompts / N of
-           the step's prompts, gradients averaged: the same step as one process, on N cores; with
-           --sample-ahead 1 a second thread samples and scores the next batch during each update
-           (DistillConfig.sample_ahead: one process on two cores, each batch one update behind).
+           minibatch updates per step at --tuned-lr and --threads per process. By default (--sample-ahead 1)
+           a second thread samples and scores the next batch during each update (DistillConfig.sample_ahead:
+           one process on two cores, each batch one update behind), and (--inference-dtype bfloat16) the
+           student samples and the teachers score in bf16 while the update stays fp32
+           (DistillConfig.inference_dtype). With --ranks N it runs data-parallel under DeepSpeed ZeRO-2 on N
+           CPU ranks (torchrun, gloo), each rank sampling --prompts / N of the step's prompts, gradients
+           averaged.
 Throughput counts the steps' own wall time (sampling, scoring, update: each step's time/* record); the
 retention checks on the grid (every --grid student tokens, --eval-limit val items per capability, the same
 grid for every run) and a DeepSpeed engine's start-up are excluded.
-The min retention at each grid point is printed so that a faster loop that learns less per token shows.
+The min (and mean) retention over the capabilities at each grid point is printed so that a faster loop
+that learns less per token shows. With --seeds N every run repeats with seeds 0..N-1, loop and tuned
+interleaved so both meet the same load; then tokens/s pools the seeds and the grid averages them.
 The last line is `ratio: N.NN`, tuned / loop student tokens per second.
 """
 
@@ -65,7 +70,9 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
             student.train()
             spent["eval"] += time.time() - t
             spent["eval_cpu"] += time.process_time() - c
-            curve.append((spent["next"], state.gen_tokens, retention_record(scores, refs)["min_retention"]))
+            rec = retention_record(scores, refs)
+            ret = [v for k, v in rec.items() if k.startswith("retention/")]
+            curve.append((spent["next"], state.gen_tokens, rec["min_retention"], sum(ret) / len(ret)))
             spent["next"] += grid
 
     t0, c0 = time.time(), time.process_time()
@@ -84,32 +91,41 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
         return out
     ranks = f" x {os.environ['WORLD_SIZE']} ranks" if wrap is not None else ""
     on = " on rank 0" if ranks else ""
-    print(f"{label:8s} threads {threads}{ranks}  {state.step} steps  {state.gen_tokens} student tokens in "
+    print(f"{label:8s} seed {cfg.seed} threads {threads}{ranks}  {state.step} steps  {state.gen_tokens} student tokens in "
           f"{train_s:.1f} s of steps ({wall_s:.1f} s wall without the checks; {cpu_s:.1f} s CPU over {threads} "
-          f"thread(s){on}) -> {tps:.0f} tokens/s;  min val retention on the grid: "
-          + ", ".join(f"{g}:{r:.2f}" for g, _, r in curve), flush=True)
+          f"thread(s){on}) -> {tps:.0f} tokens/s;  min (mean) val retention on the grid: "
+          + ", ".join(f"{g}:{r:.2f} ({m:.2f})" for g, _, r, m in curve), flush=True)
     print(f"{'':8s} step time: " + ", ".join(f"{p} {v / train_s:.0%}" for p, v in phases.items())
           + " (student sampling / teacher and old-policy scoring / update)", flush=True)
     return out
 
 
+def pooled(results: list[dict]) -> dict:
+    """One run's figures over several seeds: tokens/s as all tokens over all step seconds, and each grid
+    point's min and mean retention averaged."""
+    curve = [(pts[0][0], *(sum(p[i] for p in pts) / len(pts) for i in (1, 2, 3)))
+             for pts in zip(*(r["curve"] for r in results))]  # pts: one grid point's (grid, tokens, min, mean) per seed
+    return {"tps": sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results), "curve": curve}
+
+
 def tuned_config(args, today: dict, ranks: int):
     from opd.distill import DistillConfig
 
-    return DistillConfig(**{**today, "prompts_per_step": args.prompts // ranks, "group_size": args.group,
+    return DistillConfig(**{**today, "lr": args.tuned_lr, "prompts_per_step": args.prompts // ranks, "group_size": args.group,
                             "updates_per_batch": args.updates, "layout": args.layout,
-                            "sample_ahead": args.sample_ahead})
+                            "sample_ahead": args.sample_ahead, "inference_dtype": args.inference_dtype})
 
 
-def tuned_ranks(args, base: str, names: list[str]) -> dict:
+def tuned_ranks(args, base: str, names: list[str], seed: int) -> dict:
     """The tuned run on --ranks CPU ranks: this script again under torchrun, one process a rank, rank 0
     writing its result to a JSON file."""
     out = Path(tempfile.mkdtemp(prefix="opd-bench-ranks-")) / "tuned.json"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks)]
     cmd = [*torchrun, __file__, "--worker-out", str(out), "--base", base, "--experts", ",".join(names),
+           f"--seed-of-rank={seed}",
            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("tokens", "grid", "eval_limit", "prompts", "group", "updates", "layout", "threads", "lr",
-                      "ranks", "sample_ahead"))]
+                      "ranks", "sample_ahead", "inference_dtype", "tuned_lr"))]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(cmd, check=True, env=env)
     result = json.loads(out.read_text())
@@ -134,10 +150,19 @@ def main() -> None:
                     "torchrun); --prompts must divide by it")
     ap.add_argument("--runs", default="loop,stacked,tuned",
                     help="which runs (comma-separated); the ratios need the loop")
-    ap.add_argument("--sample-ahead", type=int, choices=[0, 1], default=0,
+    ap.add_argument("--sample-ahead", type=int, choices=[0, 1], default=1,
                     help="tuned run: 1 samples and scores the next batch in a background thread during the update")
+    ap.add_argument("--inference-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                    help="tuned run: dtype the student samples in and the stacked teachers score in (the update "
+                    "stays fp32)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="the loop's and the stacked run's lr")
+    ap.add_argument("--tuned-lr", type=float, default=1.6e-4,
+                    help="tuned run's lr (default: 1e-4 x 64 / 40, the loop's lr scaled by the tuned run's rows "
+                    "per update over the loop's, so both move the student as far per student token)")
+    ap.add_argument("--seeds", type=int, default=1, help="repeat each run with seeds 0..N-1, loop and tuned "
+                    "interleaved (so both meet the same load); tokens/s and the grid are then averaged")
+    ap.add_argument("--seed-of-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ranks < 1 or args.prompts % args.ranks:
         ap.error(f"--ranks {args.ranks}: must be >= 1 and divide --prompts {args.prompts}")
@@ -165,7 +190,7 @@ def main() -> None:
     caps = list(routes)
     refs = teacher_references(routes, manifests)
     today = dict(estimator="full", lr=args.lr, prompts_per_step=20, group_size=4, updates_per_batch=2,
-                 steps=10**6, seed=0)
+                 steps=10**6, seed=args.seed_of_rank)
     if args.worker_out:  # one rank of tuned_ranks
         from opd.rl.distributed import deepspeed_wrap
 
@@ -177,28 +202,39 @@ def main() -> None:
         return
     print(f"{len(teachers)} teachers; capabilities {caps}; {args.tokens} student tokens per run, retention grid "
           f"every {args.grid}; load average {os.getloadavg()[0]:.2f}", flush=True)
-    runs = {
-        "loop": lambda: run("loop", DistillConfig(**today, teacher_forward="loop"), 1, base, teachers, routes, caps,
-                            refs, args.tokens, args.grid, args.eval_limit),
-        "stacked": lambda: run("stacked", DistillConfig(**today), 1, base, teachers, routes, caps, refs, args.tokens,
-                               args.grid, args.eval_limit),
-        "tuned": lambda: (tuned_ranks(args, base, names) if args.ranks > 1 else
-                          run("tuned", tuned_config(args, today, 1), args.threads, base, teachers, routes, caps,
-                              refs, args.tokens, args.grid, args.eval_limit)),
-    }
-    results = {label: runs[label]() for label in ("loop", "stacked", "tuned") if label in wanted}
+    def runs(seed: int) -> dict:
+        same = dict(today, seed=seed)
+        return {
+            "loop": lambda: run("loop", DistillConfig(**same, teacher_forward="loop"), 1, base, teachers, routes,
+                                caps, refs, args.tokens, args.grid, args.eval_limit),
+            "stacked": lambda: run("stacked", DistillConfig(**same), 1, base, teachers, routes, caps, refs,
+                                   args.tokens, args.grid, args.eval_limit),
+            "tuned": lambda: (tuned_ranks(args, base, names, seed) if args.ranks > 1 else
+                              run("tuned", tuned_config(args, same, 1), args.threads, base, teachers, routes, caps,
+                                  refs, args.tokens, args.grid, args.eval_limit)),
+        }
+
+    labels = [label for label in ("loop", "stacked", "tuned") if label in wanted]
+    per_seed = [{label: todo() for label, todo in runs(seed).items() if label in labels} for seed in range(args.seeds)]
+    results = {label: pooled([r[label] for r in per_seed]) for label in labels}
+    if args.seeds > 1:
+        for label, r in results.items():
+            print(f"{label:8s} over {args.seeds} seeds: {r['tps']:.0f} tokens/s; mean over seeds of the min (mean) val "
+                  "retention on the grid: " + ", ".join(f"{g}:{a:.2f} ({m:.2f})" for g, _, a, m in r["curve"]),
+                  flush=True)
     loop = results.get("loop")
     for label in ("stacked", "tuned"):
         if loop is None or label not in results:
             continue
         r = results[label]
         pairs = list(zip(loop["curve"], r["curve"]))
-        worse = [g for (g, _, a), (_, _, b) in pairs if b < a - 0.05]
+        worse = [g for (g, _, a, _), (_, _, b, _) in pairs if b < a - 0.05]
         print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s; min retention on the grid "
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
     print(f"threads: loop 1, stacked 1, tuned {args.threads} x {args.ranks} rank(s); tuned: {args.prompts} prompts x "
-          f"{args.group}, {args.updates} updates per step, {args.layout} layout"
-          f"{', sampling ahead' if args.sample_ahead else ''}; load average "
+          f"{args.group}, {args.updates} updates per step at lr {args.tuned_lr:g} (loop {args.lr:g}), {args.layout} layout"
+          f"{', sampling ahead' if args.sample_ahead else ''}, {args.inference_dtype} sampling and teacher scoring; "
+          f"load average "
           f"{os.getloadavg()[0]:.2f}")
     if loop is not None and "tuned" in results:
         print(f"ratio: {results['tuned']['tps'] / loop['tps']:.2f}")

@@ -19,7 +19,7 @@ def test_quick_runs_the_tuned_loop_on_two_ranks():
     assert "threads 1 x 2 ranks" in tuned
     # both ranks' tokens counted, and rank 0 ran the checks on the same grid as the one-process runs
     tokens = {line.split()[0]: int(re.search(r"(\d+) student tokens", line)[1]) for line in lines
-              if re.match(r"(loop|stacked|tuned) +threads", line)}
+              if re.match(r"(loop|stacked|tuned) +seed 0 threads", line)}
     assert set(tokens) == {"loop", "stacked", "tuned"} and min(tokens.values()) >= 1500
     assert tuned.count(":") >= 2 and "750:" in tuned
     assert re.fullmatch(r"ratio: \d+\.\d\d", lines[-1])
@@ -33,3 +33,17 @@ def test_ranks_must_divide_the_prompts():
 def test_runs_must_name_known_runs():
     out = subprocess.run([sys.executable, str(BENCH), "--quick", "--runs", "loop,fast"], capture_output=True, text=True)
     assert out.returncode == 2 and "--runs loop,fast: a comma-separated subset of loop,stacked,tuned" in out.stderr
+
+
+def test_seeds_interleave_loop_and_tuned_and_pool_them():
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--runs", "loop,tuned", "--seeds", "2", "--tokens",
+                          "600", "--grid", "300", "--sample-ahead", "1", "--inference-dtype", "bfloat16"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    runs = [(m[1], int(m[2])) for line in lines if (m := re.match(r"(loop|tuned) +seed (\d+) ", line))]
+    assert runs == [("loop", 0), ("tuned", 0), ("loop", 1), ("tuned", 1)]  # interleaved: both meet the same load
+    pooled = {line.split()[0]: line for line in lines if re.match(r"(loop|tuned) +over 2 seeds: ", line)}
+    assert set(pooled) == {"loop", "tuned"} and "300:" in pooled["tuned"] and "600:" in pooled["tuned"]
+    assert "sampling ahead, bfloat16 sampling and teacher scoring" in out.stdout
+    assert re.fullmatch(r"ratio: \d+\.\d\d", lines[-1])

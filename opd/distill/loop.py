@@ -259,7 +259,7 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
 UNSET_LATER_FIELDS = ("topk", "capability_weights")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
-DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False}
+DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "inference_dtype": "float32"}
 
 
 def _identity(cfg: DistillConfig) -> dict:
@@ -267,6 +267,15 @@ def _identity(cfg: DistillConfig) -> dict:
     exclude |= {f for f in UNSET_LATER_FIELDS if getattr(cfg, f) is None}
     exclude |= {f for f, v in DEFAULTED_LATER_FIELDS.items() if getattr(cfg, f) == v}
     return cfg.model_dump(mode="json", exclude=exclude)
+
+
+def _sampler_copy(student, dtype: torch.dtype):
+    """A copy of the student whose parameters are in `dtype`; its buffers (RoPE's frequencies) keep their
+    own dtype, so positions are not rounded."""
+    sampler = copy.deepcopy(student)
+    for p in sampler.parameters():
+        p.data = p.data.to(dtype)
+    return sampler
 
 
 def step_lr(cfg: DistillConfig, step: int) -> float:
@@ -389,14 +398,17 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         policy, opt, backward = wrap(policy, opt)
     if optim_state is not None:
         load_optimizer_state(opt, optim_state)
-    # sample_ahead samples from a copy of the student that another thread reads while the update runs
-    sampler = copy.deepcopy(student) if cfg.sample_ahead else student
+    # sample_ahead samples from a copy of the student that another thread reads while the update runs;
+    # inference_dtype samples from a copy in that dtype (synced before each batch)
+    dtype = getattr(torch, cfg.inference_dtype)
+    cast = dtype != next(student.parameters()).dtype
+    sampler = _sampler_copy(student, dtype) if cfg.sample_ahead or cast else student
     engine = get_engine("embedded", model=sampler, tokenizer=tokenizer)
     t0 = time.time() - state.elapsed
     routed = sorted({t for ts in routes.values() for t in ts})
     bank = None
     if cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
-        bank = TeacherBank(teachers, routed)
+        bank = TeacherBank(teachers, routed, dtype if cast else None)
 
     ahead = pool = rng_ahead = None  # sample_ahead's batch in flight, its thread, the prompt RNG before it
 
@@ -450,6 +462,8 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     while state.step < cfg.steps:
         generator = None
         if pool is None:
+            if sampler is not student:
+                sampler.load_state_dict(student.state_dict())  # casts to the sampler's dtype
             batch, s_sample, s_score = produce(state.step)
             t_update = time.perf_counter()
         else:

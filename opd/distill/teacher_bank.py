@@ -49,18 +49,20 @@ def check_same_architecture(teachers: dict[str, Teacher], student=None) -> None:
 
 
 class TeacherBank:
-    """The teachers `names` (all in process, one architecture) as stacked weights."""
+    """The teachers `names` (all in process, one architecture) as stacked weights, in `dtype` (default: the
+    teachers' own; buffers such as RoPE's frequencies keep theirs). The heads' log-softmax and the mixed
+    targets are computed in fp32 whatever the dtype."""
 
-    def __init__(self, teachers: dict[str, Teacher], names: list[str]):
+    def __init__(self, teachers: dict[str, Teacher], names: list[str], dtype: torch.dtype | None = None):
         models = [teachers[n].model for n in names]
         if any(m is None for m in models):
             raise ValueError("TeacherBank needs every teacher in process")
         check_same_architecture({n: teachers[n] for n in names})
         decoders = [m.get_decoder() for m in models]
         params, buffers = stack_module_state(decoders)  # name -> (K, ...)
-        self.params = {k: v.detach() for k, v in params.items()}
+        self.params = {k: v.detach().to(dtype) for k, v in params.items()}
         self.buffers = buffers
-        self.heads = torch.stack([lm_head_weight(m).detach() for m in models])  # (K, V, H)
+        self.heads = torch.stack([lm_head_weight(m).detach() for m in models]).to(dtype)  # (K, V, H)
         skeleton = copy.deepcopy(decoders[0]).to("meta")
         # sdpa has no vmap batching rule on CPU (a slow per-sample fallback); eager attention is plain
         # matmuls and a softmax, which vmap batches.
