@@ -82,10 +82,10 @@ class DistillConfig(BaseModel):
                                "before the one it updates")
     inference_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype the student samples in and the stacked teachers score in; the update stays in "
-        "the student's own dtype. 'bfloat16' about halves their matrix products on CPUs with AVX512-BF16 and on GPUs, "
+        "the student's own dtype. 'bfloat16' runs their matrix products faster on CPUs with AVX512-BF16 and on GPUs, "
         "as an SGLang server samples a bf16 copy of a model trained in fp32: the student then samples from its "
-        "weights rounded to bf16, and each token's teacher target is computed from bf16 teachers (in fp32 after the "
-        "head)")
+        "weights rounded to bf16 (the sampled estimator's old log-probs are that copy's), and each token's teacher "
+        "target is computed from bf16 teachers (in fp32 after the head)")
     warmstart_steps: int = Field(0, ge=0, description="supervised steps on verified teacher samples before OPD "
                                  "(off-policy distillation as a warm start; 0: none)")
     warmstart_prompts: int = Field(256, gt=0, description="training prompts per capability its teacher samples "
