@@ -80,9 +80,9 @@ class DistillConfig(BaseModel):
                                "(on a copy of the student, synced after every step) while this step's update runs: "
                                "the two use both cores of a CPU, and each batch comes from the student one step "
                                "before the one it updates")
-    inference_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype the student samples in and the stacked teachers score in; the update stays in "
-        "the student's own dtype. 'bfloat16' runs their matrix products faster on CPUs with AVX512-BF16 and on GPUs, "
+    inference_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="dtype the student samples in and the stacked teachers score in (default: the student's "
+        "own, with no copy); the update stays in the student's own dtype. 'bfloat16' runs their matrix products faster on CPUs with AVX512-BF16 and on GPUs, "
         "as an SGLang server samples a bf16 copy of a model trained in fp32: the student then samples from its "
         "weights rounded to bf16 (the sampled estimator's old log-probs are that copy's), and each token's teacher "
         "target is computed from bf16 teachers (in fp32 after the head)")

@@ -256,10 +256,10 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
 
 
 # Fields added after runs had checkpoints: left unset they stay out of the identity, so those resume.
-UNSET_LATER_FIELDS = ("topk", "capability_weights")
+UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
-DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "inference_dtype": "float32"}
+DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False}
 
 
 def _identity(cfg: DistillConfig) -> dict:
@@ -400,8 +400,9 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         load_optimizer_state(opt, optim_state)
     # sample_ahead samples from a copy of the student that another thread reads while the update runs;
     # inference_dtype samples from a copy in that dtype (synced before each batch)
-    dtype = getattr(torch, cfg.inference_dtype)
-    cast = dtype != next(student.parameters()).dtype
+    own = next(student.parameters()).dtype
+    dtype = getattr(torch, cfg.inference_dtype) if cfg.inference_dtype else own
+    cast = dtype != own
     sampler = _sampler_copy(student, dtype) if cfg.sample_ahead or cast else student
     engine = get_engine("embedded", model=sampler, tokenizer=tokenizer)
     t0 = time.time() - state.elapsed
