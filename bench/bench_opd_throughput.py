@@ -13,8 +13,10 @@ Three runs from the base, each until it has sampled --tokens student tokens:
   tuned    stacked on the packed layout (opd.rl.packing: no padding, a group's prompt laid out once, each
            teacher one forward on its own packed rows), with --prompts x --group rows per step, --updates
            minibatch updates per step at --tuned-lr and --threads per process. By default (--sample-ahead 1)
-           a second thread samples and scores the next batch during each update (DistillConfig.sample_ahead:
-           one process on two cores, each batch one update behind), and (--inference-dtype bfloat16) the
+           a worker samples and scores the next batch during each update (DistillConfig.sample_ahead, each
+           batch one update behind): a forked process (--sample-worker process, DistillConfig.sample_worker;
+           the sampler's weights in shared memory, so the two use both cores without sharing one GIL) or a
+           thread of this process (--sample-worker thread), and (--inference-dtype bfloat16) the
            student samples and the teachers score in bf16 while the update stays fp32
            (DistillConfig.inference_dtype). With --ranks N it runs data-parallel under DeepSpeed ZeRO-2 on N
            CPU ranks (torchrun, gloo), each rank sampling --prompts / N of the step's prompts, gradients
@@ -47,6 +49,14 @@ REPO = Path(__file__).resolve().parents[1]
 LAB10 = ["add", "sub", "mod", "rev", "sort", "count", "max", "shift", "dedup", "digsum"]
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its ended children (a sample-ahead worker process)."""
+    import resource
+
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
+
+
 def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, tokens: int, grid: int,
         eval_limit: int, wrap=None) -> dict:
     """One run from the base until `tokens` student tokens. Under `wrap` (DeepSpeed, several ranks) rank 0
@@ -75,10 +85,10 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
             curve.append((spent["next"], state.gen_tokens, rec["min_retention"], sum(ret) / len(ret)))
             spent["next"] += grid
 
-    t0, c0 = time.time(), time.process_time()
+    t0, c0 = time.time(), cpu_seconds()
     state = distill(cfg, student, tok, teachers, routes, log=lambda *_: None, progress=progress,
                     stop=lambda rec: rec["gen_tokens"] >= tokens, wrap=wrap)
-    cpu_s = time.process_time() - c0 - spent["eval_cpu"]
+    cpu_s = cpu_seconds() - c0 - spent["eval_cpu"]  # with a sampling worker's, once it has ended
     phases = {p: sum(r.get(f"time/{p}", 0.0) for r in state.history) for p in ("sample", "score", "update")}
     # the steps' own seconds: the same measure for every run, without a DeepSpeed engine's start-up
     # (it may build a C++ op) or the checks on the grid
@@ -93,7 +103,7 @@ def run(label: str, cfg, threads: int, base: str, teachers, routes, caps, refs, 
     on = " on rank 0" if ranks else ""
     print(f"{label:8s} seed {cfg.seed} threads {threads}{ranks}  {state.step} steps  {state.gen_tokens} student tokens in "
           f"{train_s:.1f} s of steps ({wall_s:.1f} s wall without the checks; {cpu_s:.1f} s CPU over {threads} "
-          f"thread(s){on}) -> {tps:.0f} tokens/s;  min (mean) val retention on the grid: "
+          f"thread(s){' and a sampling process' if cfg.sample_ahead and cfg.sample_worker == 'process' else ''}{on}) -> {tps:.0f} tokens/s;  min (mean) val retention on the grid: "
           + ", ".join(f"{g}:{r:.2f} ({m:.2f})" for g, _, r, m in curve), flush=True)
     print(f"{'':8s} step time: " + ", ".join(f"{p} {v / train_s:.0%}" for p, v in phases.items())
           + " (student sampling / teacher and old-policy scoring / update)", flush=True)
@@ -113,7 +123,8 @@ def tuned_config(args, today: dict, ranks: int):
 
     return DistillConfig(**{**today, "lr": args.tuned_lr, "prompts_per_step": args.prompts // ranks, "group_size": args.group,
                             "updates_per_batch": args.updates, "layout": args.layout,
-                            "sample_ahead": args.sample_ahead, "inference_dtype": args.inference_dtype})
+                            "sample_ahead": args.sample_ahead, "sample_worker": args.sample_worker,
+                            "inference_dtype": args.inference_dtype})
 
 
 def tuned_ranks(args, base: str, names: list[str], seed: int) -> dict:
@@ -125,7 +136,7 @@ def tuned_ranks(args, base: str, names: list[str], seed: int) -> dict:
            f"--seed-of-rank={seed}",
            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("tokens", "grid", "eval_limit", "prompts", "group", "updates", "layout", "threads", "lr",
-                      "ranks", "sample_ahead", "inference_dtype", "tuned_lr"))]
+                      "ranks", "sample_ahead", "sample_worker", "inference_dtype", "tuned_lr"))]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(cmd, check=True, env=env)
     result = json.loads(out.read_text())
@@ -141,7 +152,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40_000, help="student tokens per run")
     ap.add_argument("--grid", type=int, default=10_000, help="student tokens between retention checks")
     ap.add_argument("--eval-limit", type=int, default=50)
-    ap.add_argument("--prompts", type=int, default=64, help="tuned run: prompts per step")
+    ap.add_argument("--prompts", type=int, default=40, help="tuned run: prompts per step (default 40: with 4 "
+                    "samples and 4 updates, 40 rows per update, as the loop's 20 x 4 in 2)")
     ap.add_argument("--group", type=int, default=4, help="tuned run: samples per prompt")
     ap.add_argument("--updates", type=int, default=4, help="tuned run: minibatch updates per step")
     ap.add_argument("--layout", choices=["packed", "padded"], default="packed", help="tuned run: token layout")
@@ -152,14 +164,17 @@ def main() -> None:
                     help="which runs (comma-separated); the ratios need the loop")
     ap.add_argument("--sample-ahead", type=int, choices=[0, 1], default=1,
                     help="tuned run: 1 samples and scores the next batch in a background thread during the update")
+    ap.add_argument("--sample-worker", choices=["thread", "process"], default="process",
+                    help="tuned run: where --sample-ahead samples (DistillConfig.sample_worker): a thread, or a forked "
+                    "process that does not share the GIL with the update")
     ap.add_argument("--inference-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                     help="tuned run: dtype the student samples in and the stacked teachers score in (the update "
                     "stays fp32)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
     ap.add_argument("--lr", type=float, default=1e-4, help="the loop's and the stacked run's lr")
-    ap.add_argument("--tuned-lr", type=float, default=1.6e-4,
-                    help="tuned run's lr (default: 1e-4 x 64 / 40, the loop's lr scaled by the tuned run's rows "
-                    "per update over the loop's, so both move the student as far per student token)")
+    ap.add_argument("--tuned-lr", type=float, default=1e-4,
+                    help="tuned run's lr (default: the loop's, as both update on 40 rows at a time; scale it by the "
+                    "rows per update over 40 for other batches)")
     ap.add_argument("--seeds", type=int, default=1, help="repeat each run with seeds 0..N-1, loop and tuned "
                     "interleaved (so both meet the same load); tokens/s and the grid are then averaged")
     ap.add_argument("--seed-of-rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -233,7 +248,7 @@ def main() -> None:
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
     print(f"threads: loop 1, stacked 1, tuned {args.threads} x {args.ranks} rank(s); tuned: {args.prompts} prompts x "
           f"{args.group}, {args.updates} updates per step at lr {args.tuned_lr:g} (loop {args.lr:g}), {args.layout} layout"
-          f"{', sampling ahead' if args.sample_ahead else ''}, {args.inference_dtype} sampling and teacher scoring; "
+          f"{f', sampling ahead in a {args.sample_worker}' if args.sample_ahead else ''}, {args.inference_dtype} sampling and teacher scoring; "
           f"load average "
           f"{os.getloadavg()[0]:.2f}")
     if loop is not None and "tuned" in results:

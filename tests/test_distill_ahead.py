@@ -68,3 +68,47 @@ def test_ahead_lowers_kl_and_resumes(tmp_path, tokenizer, teachers, monkeypatch)
     # the mode is part of the run's identity: the plain loop does not take over its checkpoint, it starts over
     _, saved = _run(cfg.model_copy(update={"steps": 10, "sample_ahead": False}), tokenizer, teachers, ckpt, monkeypatch)
     assert sorted(saved) == [2, 4, 6, 8, 10]
+
+
+def test_process_worker_gives_the_threads_run_exactly(tmp_path, tokenizer, teachers, monkeypatch):
+    # a real lr, so every batch depends on the weights pushed to the worker after each update: a forked
+    # worker that missed one (or sampled stale weights) would diverge from the thread
+    cfg = DistillConfig(estimator="full", steps=5, lr=3e-3, prompts_per_step=6, group_size=2, layout="packed",
+                        checkpoint_every=1, sample_ahead=True, inference_dtype="bfloat16", seed=1)
+    thread, thread_rng = _run(cfg, tokenizer, teachers, tmp_path / "t.pt", monkeypatch)
+    proc, proc_rng = _run(cfg.model_copy(update={"sample_worker": "process"}), tokenizer, teachers,
+                          tmp_path / "p.pt", monkeypatch)
+    assert proc_rng == thread_rng and sorted(proc_rng) == [1, 2, 3, 4, 5]
+    for t, p in zip(thread.history, proc.history, strict=True):
+        assert p["gen_tokens"] == t["gen_tokens"] and p["reward/count"] == t["reward/count"]
+        assert p["kl/count"] == t["kl/count"] and p["loss"] == t["loss"]
+    assert thread.history[-1]["kl/count"] != thread.history[0]["kl/count"]  # the student did move
+    import multiprocessing
+
+    assert not multiprocessing.active_children()  # the worker ended with the run
+
+
+def test_process_worker_resumes_a_thread_runs_checkpoint(tmp_path, tokenizer, teachers, monkeypatch):
+    # the worker is not part of a run's identity (both sample the same batches): a run checkpointed
+    # with a thread continues under a process
+    cfg = DistillConfig(estimator="full", steps=4, lr=3e-3, prompts_per_step=4, group_size=2, layout="packed",
+                        checkpoint_every=2, sample_ahead=True)
+    ckpt = tmp_path / "run.pt"
+    _run(cfg, tokenizer, teachers, ckpt, monkeypatch)
+    longer, saved = _run(cfg.model_copy(update={"steps": 6, "sample_worker": "process"}), tokenizer, teachers, ckpt,
+                         monkeypatch)
+    assert [r["step"] for r in longer.history] == list(range(1, 7)) and sorted(saved) == [6]
+
+
+def test_process_worker_failure_names_the_worker_and_its_error(tmp_path, tokenizer, teachers, monkeypatch):
+    def broken(*a, **k):
+        raise KeyError("no such teacher row")
+
+    monkeypatch.setattr(loop, "build_batch", broken)  # the forked child inherits the patch
+    cfg = DistillConfig(estimator="full", steps=3, prompts_per_step=2, group_size=2, layout="packed",
+                        sample_ahead=True, sample_worker="process")
+    with pytest.raises(RuntimeError, match=r"sample-ahead worker process failed:(.|\n)*no such teacher row"):
+        _run(cfg, tokenizer, teachers, None, monkeypatch)
+    import multiprocessing
+
+    assert not multiprocessing.active_children()

@@ -76,10 +76,15 @@ class DistillConfig(BaseModel):
                            "padding, a group's prompt once, rows of mixed lengths packed together under a block "
                            "attention mask: the same hidden states up to float rounding at a fraction of the positions; "
                            "see opd.rl.packing)")
-    sample_ahead: bool = Field(False, description="sample and score the next step's batch in a background thread "
+    sample_ahead: bool = Field(False, description="sample and score the next step's batch in the background (see sample_worker) "
                                "(on a copy of the student, synced after every step) while this step's update runs: "
                                "the two use both cores of a CPU, and each batch comes from the student one step "
                                "before the one it updates")
+    sample_worker: Literal["thread", "process"] = Field(
+        "thread", description="where sample_ahead samples: 'thread' (a background thread of this process) or "
+        "'process' (a worker forked at the start, the sampler's weights in shared memory and pushed after every "
+        "update, as to a rollout server; platforms that fork, CPU students). The two give the same batches; a process "
+        "does not share the GIL with the update, which makes it the faster on a CPU (see opd.distill.ahead)")
     inference_dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="dtype the student samples in and the stacked teachers score in (default: the student's "
         "own, with no copy); the update stays in the student's own dtype. 'bfloat16' runs their matrix products faster on CPUs with AVX512-BF16 and on GPUs, "

@@ -15,7 +15,6 @@ import pickle
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from opd_kernels import reverse_kl, selective_log_softmax
 from torch.utils.checkpoint import checkpoint
 
+from opd.distill.ahead import start_ahead
 from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_hidden
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
@@ -104,7 +104,7 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
 
     policy: a `StudentHidden`, or the DeepSpeed engine wrapping one with its `backward(loss) -> grad
     norm` (which also clips and steps). generator: the minibatch split's random source (default torch's
-    global one; `sample_ahead` gives each step its own, as another thread samples meanwhile).
+    global one; `sample_ahead` gives each step its own, as another thread may sample meanwhile).
     """
     cmask, real = batch.cmask, batch.cmask.bool()
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
@@ -224,7 +224,8 @@ def _topk_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, k: int, chunk
 
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
 # (e.g. more steps to extend it; not under a cosine schedule, whose every lr depends on `steps`).
-RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to"}
+# sample_worker: a thread and a process sample the same batches from the same weights and prompt RNG.
+RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to", "sample_worker"}
 
 
 def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix, rng, state: DistillState,
@@ -398,7 +399,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         policy, opt, backward = wrap(policy, opt)
     if optim_state is not None:
         load_optimizer_state(opt, optim_state)
-    # sample_ahead samples from a copy of the student that another thread reads while the update runs;
+    # sample_ahead samples from a copy of the student that a worker reads while the update runs;
     # inference_dtype samples from a copy in that dtype (synced before each batch)
     own = next(student.parameters()).dtype
     dtype = getattr(torch, cfg.inference_dtype) if cfg.inference_dtype else own
@@ -411,11 +412,11 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     if cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
         bank = TeacherBank(teachers, routed, dtype if cast else None)
 
-    ahead = pool = rng_ahead = None  # sample_ahead's batch in flight, its thread, the prompt RNG before it
+    ahead = worker = None  # sample_ahead's batch in flight, and where it is sampled
 
     def check(rec: dict) -> None:  # a retention check on val; keeps the best student
-        if ahead is not None:
-            wait([ahead])  # sampling ahead and lm-eval would share torch's global RNG
+        if ahead is not None and cfg.sample_worker == "thread":
+            ahead.result()  # sampling ahead in this process and lm-eval would share torch's global RNG
         scores = _shared(evaluate_fn(student) if rank == 0 else None, world)
         rec.update(retention_record(scores, references or {}))
         student.train()
@@ -438,79 +439,94 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         if ckpt_path:
             save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
 
-    def produce(step: int) -> tuple[OpdBatch, float, float]:
+    def produce(step: int, step_mix: dict[str, float], prompt_rng: random.Random) -> tuple[OpdBatch, float, float]:
         """The rollout batch of `step`: the sampler samples, the teachers score. Returns it and both phases' seconds."""
         t_sample = time.perf_counter()
-        items, groups = sample_batch(engine, routes, adapted_mix(mix, state.history, cfg.adaptive_mix), rng,
-                                     prompts=cfg.prompts_per_step, group=cfg.group_size, temperature=cfg.temperature,
+        items, groups = sample_batch(engine, routes, step_mix, prompt_rng, prompts=cfg.prompts_per_step,
+                                     group=cfg.group_size, temperature=cfg.temperature,
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 100_003 + step + rank * 1_000_003)
         t_score = time.perf_counter()
         batch = build_batch(sampler, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
                             old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout)
         return batch, t_score - t_sample, time.perf_counter() - t_score
 
-    # sample_ahead: a background thread samples and scores step k+1's batch on a copy of the student
-    # (synced when step k's batch is taken, so one update behind) while step k's update runs. torch
-    # ops release the GIL, so on a CPU the two use both cores. The thread owns the prompt RNG while it
-    # runs; a checkpoint saves that RNG as it was before the batch in flight (`rng_ahead`), so a resumed
-    # run draws the same prompts (its first batch then samples the checkpoint's student, not the one
-    # before). The update draws its minibatches from a per-step generator, and a retention check waits
-    # for the batch in flight, as both would otherwise share torch's global RNG with the sampling.
-    if cfg.sample_ahead:
-        from concurrent.futures import ThreadPoolExecutor
+    def produce_ahead(step: int, step_mix: dict[str, float], rng_state) -> tuple[OpdBatch, object]:
+        """`produce` from the prompt RNG state given; returns the batch and the RNG state after it."""
+        prompt_rng = random.Random()
+        prompt_rng.setstate(rng_state)
+        return produce(step, step_mix, prompt_rng)[0], prompt_rng.getstate()
 
-        pool = ThreadPoolExecutor(1, thread_name_prefix="opd-sample-ahead")
-    while state.step < cfg.steps:
-        generator = None
-        if pool is None:
-            if sampler is not student:
-                sampler.load_state_dict(student.state_dict())  # casts to the sampler's dtype
-            batch, s_sample, s_score = produce(state.step)
-            t_update = time.perf_counter()
-        else:
-            t_wait = time.perf_counter()
-            if ahead is None:
-                ahead = pool.submit(produce, state.step)
-            batch, _, _ = ahead.result()
-            sampler.load_state_dict(student.state_dict())  # the next batch samples the student as it is now
-            ahead = None
-            if state.step + 1 < cfg.steps:
-                rng_ahead = copy.copy(rng)
-                ahead = pool.submit(produce, state.step + 1)
-            t_update = time.perf_counter()
-            s_sample, s_score = t_update - t_wait, 0.0  # the wait for the batch; its own seconds overlapped
-            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.step * 7_919 + rank)
-        for g in opt.param_groups:
-            g["lr"] = step_lr(cfg, state.step)
-        rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
-               **opd_step(policy, opt, batch, cfg, teachers, backward, generator)}
-        # where a step's seconds go: student sampling, teacher (and old-policy) scoring, the update
-        rec.update({"time/sample": s_sample, "time/score": s_score, "time/update": time.perf_counter() - t_update})
-        for cap in dict.fromkeys(batch.row_caps):
-            rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
-            rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
-        state.step += 1
-        state.gen_tokens += batch.gen_tokens if world == 1 else ranks_sum(batch.gen_tokens)
-        rec["gen_tokens"] = state.gen_tokens
-        if state.warm_tokens:
-            rec["warm_tokens"] = state.warm_tokens  # teacher-sample tokens of the off-policy warm start
-        last = state.step == cfg.steps
-        if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
-            check(rec)
-        state.elapsed = time.time() - t0
-        state.history.append(rec)
-        tracker.log(rec, state.step)
-        kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))
-        log(f"opd step {state.step}/{cfg.steps}: loss {rec['loss']:.4f} KL {kls}"
-            + (f" min retention {rec['min_retention']:.3f}" if "min_retention" in rec else ""))
-        if progress:
-            progress(state, rec)
-        if ckpt_path and (last or state.step % cfg.checkpoint_every == 0):
-            save_checkpoint(ckpt_path, student, opt, state, rng if ahead is None else rng_ahead, cfg, ranks)
-        if stop is not None and _shared(stop(rec), world):
-            break
-    if pool is not None:
-        pool.shutdown(cancel_futures=True)
+    # sample_ahead: a worker (opd.distill.ahead: a thread, or a forked process) samples and scores step
+    # k+1's batch on a copy of the student (synced when step k's batch is taken, so one update behind)
+    # while step k's update runs; on a CPU the two use both cores. The prompt mix and the prompt RNG's
+    # state go with each call, and the RNG moves on only when its batch is taken, so a checkpoint saves
+    # the RNG as it was before the batch in flight and a resumed run draws the same prompts (its first
+    # batch then samples the checkpoint's student, not the one before). The update draws its minibatches
+    # from a per-step generator; in a thread, a retention check waits for the batch in flight, as both
+    # would otherwise share torch's global RNG with the sampling.
+    try:
+        if cfg.sample_ahead:
+            if cfg.sample_worker == "process":
+                if next(sampler.parameters()).device.type != "cpu":
+                    raise ValueError("sample_worker 'process' forks a CPU sampler; with a GPU student use "
+                                     "sample_worker: thread (or an SGLang server)")
+                sampler.share_memory()  # the child samples what load_state_dict writes here
+            worker = start_ahead(cfg.sample_worker, produce_ahead, torch.get_num_threads())
+        while state.step < cfg.steps:
+            generator = None
+            if worker is None:
+                if sampler is not student:
+                    sampler.load_state_dict(student.state_dict())  # casts to the sampler's dtype
+                batch, s_sample, s_score = produce(state.step, adapted_mix(mix, state.history, cfg.adaptive_mix),
+                                                   rng)
+                t_update = time.perf_counter()
+            else:
+                t_wait = time.perf_counter()
+                if ahead is None:
+                    ahead = worker.submit(state.step, adapted_mix(mix, state.history, cfg.adaptive_mix),
+                                          rng.getstate())
+                batch, rng_state = ahead.result()
+                rng.setstate(rng_state)
+                sampler.load_state_dict(student.state_dict())  # the next batch samples the student as it is now
+                ahead = None
+                if state.step + 1 < cfg.steps:
+                    ahead = worker.submit(state.step + 1, adapted_mix(mix, state.history, cfg.adaptive_mix),
+                                          rng.getstate())
+                t_update = time.perf_counter()
+                s_sample, s_score = t_update - t_wait, 0.0  # the wait for the batch; its own seconds overlapped
+                generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.step * 7_919 + rank)
+            for g in opt.param_groups:
+                g["lr"] = step_lr(cfg, state.step)
+            rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
+                   **opd_step(policy, opt, batch, cfg, teachers, backward, generator)}
+            # where a step's seconds go: student sampling, teacher (and old-policy) scoring, the update
+            rec.update({"time/sample": s_sample, "time/score": s_score, "time/update": time.perf_counter() - t_update})
+            for cap in dict.fromkeys(batch.row_caps):
+                rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
+                rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
+            state.step += 1
+            state.gen_tokens += batch.gen_tokens if world == 1 else ranks_sum(batch.gen_tokens)
+            rec["gen_tokens"] = state.gen_tokens
+            if state.warm_tokens:
+                rec["warm_tokens"] = state.warm_tokens  # teacher-sample tokens of the off-policy warm start
+            last = state.step == cfg.steps
+            if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
+                check(rec)
+            state.elapsed = time.time() - t0
+            state.history.append(rec)
+            tracker.log(rec, state.step)
+            kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))
+            log(f"opd step {state.step}/{cfg.steps}: loss {rec['loss']:.4f} KL {kls}"
+                + (f" min retention {rec['min_retention']:.3f}" if "min_retention" in rec else ""))
+            if progress:
+                progress(state, rec)
+            if ckpt_path and (last or state.step % cfg.checkpoint_every == 0):
+                save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
+            if stop is not None and _shared(stop(rec), world):
+                break
+    finally:
+        if worker is not None:
+            worker.close()
     if world > 1:
         import torch.distributed as dist
 
