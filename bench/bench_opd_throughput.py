@@ -152,8 +152,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40_000, help="student tokens per run")
     ap.add_argument("--grid", type=int, default=10_000, help="student tokens between retention checks")
     ap.add_argument("--eval-limit", type=int, default=50)
-    ap.add_argument("--prompts", type=int, default=40, help="tuned run: prompts per step (default 40: with 4 "
-                    "samples and 4 updates, 40 rows per update, as the loop's 20 x 4 in 2)")
+    ap.add_argument("--prompts", type=int, default=48, help="tuned run: prompts per step (with 4 samples and 4 "
+                    "updates, 48 rows per update; the loop's 20 x 4 in 2 updates is 40)")
     ap.add_argument("--group", type=int, default=4, help="tuned run: samples per prompt")
     ap.add_argument("--updates", type=int, default=4, help="tuned run: minibatch updates per step")
     ap.add_argument("--layout", choices=["packed", "padded"], default="packed", help="tuned run: token layout")
@@ -172,9 +172,9 @@ def main() -> None:
                     "stays fp32)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
     ap.add_argument("--lr", type=float, default=1e-4, help="the loop's and the stacked run's lr")
-    ap.add_argument("--tuned-lr", type=float, default=1e-4,
-                    help="tuned run's lr (default: the loop's, as both update on 40 rows at a time; scale it by the "
-                    "rows per update over 40 for other batches)")
+    ap.add_argument("--tuned-lr", type=float, default=1.2e-4,
+                    help="tuned run's lr (default: the loop's 1e-4 x 48 / 40, its rows per update over the loop's, so "
+                    "both move the student about as far per student token)")
     ap.add_argument("--seeds", type=int, default=1, help="repeat each run with seeds 0..N-1, loop and tuned "
                     "interleaved (so both meet the same load); tokens/s and the grid are then averaged")
     ap.add_argument("--seed-of-rank", type=int, default=0, help=argparse.SUPPRESS)
