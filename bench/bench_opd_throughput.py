@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--runs", default="loop,stacked,tuned",
                     help="which runs (comma-separated); the ratios need the loop")
     ap.add_argument("--sample-ahead", type=int, choices=[0, 1], default=1,
-                    help="tuned run: 1 samples and scores the next batch in a background thread during the update")
+                    help="tuned run: 1 samples and scores the next batch in a worker (--sample-worker) during the update")
     ap.add_argument("--sample-worker", choices=["thread", "process"], default="process",
                     help="tuned run: where --sample-ahead samples (DistillConfig.sample_worker): a thread, or a forked "
                     "process that does not share the GIL with the update")

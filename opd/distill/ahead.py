@@ -50,10 +50,10 @@ class _Pending:
     """The result of the call in flight in a `ProcessAhead` worker."""
 
     def __init__(self, conn):
-        self._conn, self._done, self._value = conn, False, None
+        self._conn, self.done, self._value = conn, False, None
 
     def result(self):
-        if not self._done:
+        if not self.done:
             try:
                 kind, payload = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
@@ -61,7 +61,7 @@ class _Pending:
                                    "the same command to resume from the last checkpoint") from None
             if kind == "error":
                 raise RuntimeError(f"the sample-ahead worker process failed:\n{payload}")
-            self._done, self._value = True, payload
+            self.done, self._value = True, payload
         return self._value
 
 
@@ -87,20 +87,25 @@ def _serve(fn: Callable, conn, parent_end, threads: int) -> None:
 
 class ProcessAhead:
     """`fn` runs in a child forked now, with `threads` torch threads. Everything `fn` reads is the
-    parent's state at this moment, except tensors in shared memory (which the caller keeps writing
-    into) and the arguments of each call. CPU tensors only: a CUDA context does not survive a fork."""
+    parent's state at this moment, except `shared`'s tensors, moved to shared memory here (the caller
+    keeps writing into them), and the arguments of each call. CPU tensors only: a CUDA context does
+    not survive a fork."""
 
-    def __init__(self, fn: Callable, threads: int):
+    def __init__(self, fn: Callable, threads: int, shared: torch.nn.Module | None = None):
         if "fork" not in multiprocessing.get_all_start_methods():
             raise RuntimeError("sample_worker 'process' forks a worker, which this platform cannot do: "
                                "use sample_worker: thread")
+        if shared is not None:
+            if next(shared.parameters()).device.type != "cpu":
+                raise ValueError("sample_worker 'process' forks a CPU sampler; with a GPU student use "
+                                 "sample_worker: thread (or an SGLang server)")
+            shared.share_memory()  # the child reads what the parent writes into these tensors
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(fn, child, self._conn, threads), daemon=True,
                                  name=f"opd-sample-ahead-{os.getpid()}")
         self._proc.start()
         child.close()
-
         self._pending: _Pending | None = None
 
     def submit(self, *args) -> _Pending:
@@ -111,7 +116,7 @@ class ProcessAhead:
     def close(self) -> None:
         """End the child: at once if a call is in flight (its result is not wanted), else once it has read
         the stop message."""
-        if self._pending is None or self._pending._done:
+        if self._pending is None or self._pending.done:
             try:
                 self._conn.send_bytes(pickle.dumps(None))
             except (OSError, ValueError):
@@ -123,5 +128,7 @@ class ProcessAhead:
         self._conn.close()
 
 
-def start_ahead(worker: Worker, fn: Callable, threads: int) -> ThreadAhead | ProcessAhead:
-    return ThreadAhead(fn) if worker == "thread" else ProcessAhead(fn, threads)
+def start_ahead(worker: Worker, fn: Callable, threads: int, shared: torch.nn.Module | None = None
+                ) -> ThreadAhead | ProcessAhead:
+    """`fn`'s worker; a process shares `shared`'s tensors with it (a thread shares everything)."""
+    return ThreadAhead(fn) if worker == "thread" else ProcessAhead(fn, threads, shared)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
 from opd.config import load_yaml_model
+from opd.distill.ahead import Worker
 from opd.errors import OpdError
 from opd.rl.distributed import DeepSpeedFragment
 from opd.rl.packing import Layout
@@ -76,11 +77,12 @@ class DistillConfig(BaseModel):
                            "padding, a group's prompt once, rows of mixed lengths packed together under a block "
                            "attention mask: the same hidden states up to float rounding at a fraction of the positions; "
                            "see opd.rl.packing)")
-    sample_ahead: bool = Field(False, description="sample and score the next step's batch in the background (see sample_worker) "
-                               "(on a copy of the student, synced after every step) while this step's update runs: "
+    sample_ahead: bool = Field(False, description="sample and score the next step's batch in a worker (see "
+                               "sample_worker), on a copy of the student synced after every step, while this step's "
+                               "update runs: "
                                "the two use both cores of a CPU, and each batch comes from the student one step "
                                "before the one it updates")
-    sample_worker: Literal["thread", "process"] = Field(
+    sample_worker: Worker = Field(
         "thread", description="where sample_ahead samples: 'thread' (a background thread of this process) or "
         "'process' (a worker forked at the start, the sampler's weights in shared memory and pushed after every "
         "update, as to a rollout server; platforms that fork, CPU students). The two give the same batches; a process "

@@ -465,13 +465,8 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     # from a per-step generator; in a thread, a retention check waits for the batch in flight, as both
     # would otherwise share torch's global RNG with the sampling.
     try:
-        if cfg.sample_ahead:
-            if cfg.sample_worker == "process":
-                if next(sampler.parameters()).device.type != "cpu":
-                    raise ValueError("sample_worker 'process' forks a CPU sampler; with a GPU student use "
-                                     "sample_worker: thread (or an SGLang server)")
-                sampler.share_memory()  # the child samples what load_state_dict writes here
-            worker = start_ahead(cfg.sample_worker, produce_ahead, torch.get_num_threads())
+        if cfg.sample_ahead:  # a process samples what load_state_dict writes into the shared sampler
+            worker = start_ahead(cfg.sample_worker, produce_ahead, torch.get_num_threads(), shared=sampler)
         while state.step < cfg.steps:
             generator = None
             if worker is None:
