@@ -7,8 +7,8 @@ teachers, prompts and base, in one process.
 
 Three runs from the base, each until it has sampled --tokens student tokens:
   loop     today's loop: teacher_forward=loop (one engine.score per teacher, then one more forward per
-           teacher for the full estimator's hidden states), the lab10 recipe's batch (20 prompts x 4, 2
-           updates per step, lr --lr), 1 thread;
+           teacher for the full estimator's hidden states), the lab10 recipe's batch when the bench was
+           written (20 prompts x 4, 2 updates per step, lr --lr), 1 thread;
   stacked  the same settings with every teacher in one vmapped forward (the code change alone);
   tuned    stacked on the packed layout (opd.rl.packing: no padding, a group's prompt laid out once, each
            teacher one forward on its own packed rows), with --prompts x --group rows per step, --updates
@@ -152,10 +152,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40_000, help="student tokens per run")
     ap.add_argument("--grid", type=int, default=10_000, help="student tokens between retention checks")
     ap.add_argument("--eval-limit", type=int, default=50)
-    ap.add_argument("--prompts", type=int, default=48, help="tuned run: prompts per step (with 4 samples and 4 "
-                    "updates, 48 rows per update; the loop's 20 x 4 in 2 updates is 40)")
-    ap.add_argument("--group", type=int, default=4, help="tuned run: samples per prompt")
-    ap.add_argument("--updates", type=int, default=4, help="tuned run: minibatch updates per step")
+    ap.add_argument("--prompts", type=int, default=64, help="tuned run: prompts per step (with 3 samples and 3 "
+                    "updates, 64 rows per update; the loop's 20 x 4 in 2 updates is 40)")
+    ap.add_argument("--group", type=int, default=3, help="tuned run: samples per prompt")
+    ap.add_argument("--updates", type=int, default=3, help="tuned run: minibatch updates per step")
     ap.add_argument("--layout", choices=["packed", "padded"], default="packed", help="tuned run: token layout")
     ap.add_argument("--threads", type=int, default=1, help="tuned run: torch threads per process")
     ap.add_argument("--ranks", type=int, default=1, help="tuned run: data-parallel CPU ranks (DeepSpeed ZeRO-2, "
@@ -172,8 +172,8 @@ def main() -> None:
                     "stays fp32)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
     ap.add_argument("--lr", type=float, default=1e-4, help="the loop's and the stacked run's lr")
-    ap.add_argument("--tuned-lr", type=float, default=1.2e-4,
-                    help="tuned run's lr (default: the loop's 1e-4 x 48 / 40, its rows per update over the loop's, so "
+    ap.add_argument("--tuned-lr", type=float, default=1.6e-4,
+                    help="tuned run's lr (default: the loop's 1e-4 x 64 / 40, its rows per update over the loop's, so "
                     "both move the student about as far per student token)")
     ap.add_argument("--seeds", type=int, default=1, help="repeat each run with seeds 0..N-1, loop and tuned "
                     "interleaved (so both meet the same load); tokens/s and the grid are then averaged")

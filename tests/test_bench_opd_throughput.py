@@ -27,7 +27,7 @@ def test_quick_runs_the_tuned_loop_on_two_ranks():
 
 def test_ranks_must_divide_the_prompts():
     out = subprocess.run([sys.executable, str(BENCH), "--quick", "--ranks", "5"], capture_output=True, text=True)
-    assert out.returncode == 2 and "--ranks 5: must be >= 1 and divide --prompts 48" in out.stderr
+    assert out.returncode == 2 and "--ranks 5: must be >= 1 and divide --prompts 64" in out.stderr
 
 
 def test_runs_must_name_known_runs():

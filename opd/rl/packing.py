@@ -83,31 +83,33 @@ def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
         place[i] = r * S + fill[r]
         fill[r] += size[i]
     R = len(fill)
-    ids = torch.full((R * S,), pad_id, dtype=torch.long)
-    pos = torch.zeros(R * S, dtype=torch.long)
-    doc = -1 - torch.arange(R * S)  # padding: a document of its own (it sees only itself)
-    seg = torch.zeros(R * S, dtype=torch.long)  # 0: prompt; g + 1: the group's g-th completion
+    # filled as Python lists, one tensor each at the end: slicing tensors per document costs more than the
+    # documents' tokens (a step lays out a few hundred documents, each of ~10 tokens)
+    ids = [pad_id] * (R * S)
+    pos = [0] * (R * S)
+    doc = list(range(-1, -1 - R * S, -1))  # padding: a document of its own (it sees only itself)
+    seg = [0] * (R * S)  # 0: prompt; g + 1: the group's g-th completion
     first = [0] * len(prompt_ids)  # flat position that predicts each row's first completion token
     start = [0] * len(prompt_ids)  # flat position of each row's completion tokens (all but the last)
     for i, d in enumerate(docs):
-        p, at = list(prompt_ids[d[0]]), place[i]
-        ids[at : at + len(p)] = torch.tensor(p)
-        pos[at : at + len(p)] = torch.arange(len(p))
-        doc[at : at + len(p)] = i
+        p, at = [int(t) for t in prompt_ids[d[0]]], place[i]
+        ids[at : at + len(p)] = p
+        pos[at : at + len(p)] = range(len(p))
+        doc[at : at + len(p)] = [i] * len(p)
         at += len(p)
         end = at - 1  # the prompt's last token predicts every completion's first token
         for g, b in enumerate(d):
-            c = list(completion_ids[b])[:-1]
+            c = [int(t) for t in completion_ids[b]][:-1]
             first[b], start[b] = end, at
-            ids[at : at + len(c)] = torch.tensor(c, dtype=torch.long)
-            pos[at : at + len(c)] = len(p) + torch.arange(len(c))
-            doc[at : at + len(c)], seg[at : at + len(c)] = i, g + 1
+            ids[at : at + len(c)] = c
+            pos[at : at + len(c)] = range(len(p), len(p) + len(c))
+            doc[at : at + len(c)], seg[at : at + len(c)] = [i] * len(c), [g + 1] * len(c)
             at += len(c)
     index = []
     for b, c in enumerate(completion_ids):
         # token 0 from the prompt's last position, token t >= 1 from the completion's token t-1
         index.extend(([first[b]] if c else []) + [start[b] + t for t in range(len(c) - 1)])
-    ids, pos, doc, seg = (x.view(R, S) for x in (ids, pos, doc, seg))
+    ids, pos, doc, seg = (torch.tensor(x, dtype=torch.long).view(R, S) for x in (ids, pos, doc, seg))
     causal = torch.tril(torch.ones(S, S, dtype=torch.bool))
     same_doc = doc[:, :, None] == doc[:, None, :]  # (R, S, S): query x key
     visible = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])  # the prompt, or its own completion
