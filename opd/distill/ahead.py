@@ -12,7 +12,7 @@ arguments and its result cross the pipe (pickled; the batch is a few hundred KB)
 Why a process: sampling (transformers `generate`, one Python-level step per token) and the update
 (a forward and backward of many small ops) both spend much of their time in Python, and two
 threads share one GIL. On the ten-teacher lab the bench's tuned step (bench/bench_opd_throughput.py
---runs tuned --prompts 64 --tuned-lr 1.6e-4 --tokens 40000) ran 3,369-3,470 student tokens/s with a process against
+--runs tuned --prompts 64 --group 4 --updates 4 --tuned-lr 1.6e-4 --tokens 40000) ran 3,369-3,470 student tokens/s with a process against
 2,944-2,989 with a thread (README, "OPD throughput").
 """
 
