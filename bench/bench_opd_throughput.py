@@ -124,7 +124,7 @@ def tuned_config(args, today: dict, ranks: int):
     return DistillConfig(**{**today, "lr": args.tuned_lr, "prompts_per_step": args.prompts // ranks, "group_size": args.group,
                             "updates_per_batch": args.updates, "layout": args.layout,
                             "sample_ahead": args.sample_ahead, "sample_worker": args.sample_worker,
-                            "inference_dtype": args.inference_dtype})
+                            "inference_dtype": args.inference_dtype, "compact_every": args.compact_every or None})
 
 
 def tuned_ranks(args, base: str, names: list[str], seed: int) -> dict:
@@ -136,7 +136,7 @@ def tuned_ranks(args, base: str, names: list[str], seed: int) -> dict:
            f"--seed-of-rank={seed}",
            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("tokens", "grid", "eval_limit", "prompts", "group", "updates", "layout", "threads", "lr",
-                      "ranks", "sample_ahead", "sample_worker", "inference_dtype", "tuned_lr"))]
+                      "ranks", "sample_ahead", "sample_worker", "inference_dtype", "tuned_lr", "compact_every"))]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(cmd, check=True, env=env)
     result = json.loads(out.read_text())
@@ -167,9 +167,13 @@ def main() -> None:
     ap.add_argument("--sample-worker", choices=["thread", "process"], default="process",
                     help="tuned run: where --sample-ahead samples (DistillConfig.sample_worker): a thread, or a forked "
                     "process that does not share the GIL with the update")
-    ap.add_argument("--inference-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+    ap.add_argument("--inference-dtype", choices=["float32", "bfloat16", "auto"], default="auto",
                     help="tuned run: dtype the student samples in and the stacked teachers score in (the update "
-                    "stays fp32)")
+                    "stays fp32); auto: bfloat16 where this machine multiplies faster in it (AVX512-BF16, AMX, GPUs), "
+                    "float32 where it does not (AVX2 alone: bf16 tens of times slower)")
+    ap.add_argument("--compact-every", type=int, default=3,
+                    help="tuned run: sample in generate calls of this many tokens, dropping the rows that have "
+                    "stopped between calls (DistillConfig.compact_every; 0: one call, every row to the longest answer)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by --ranks: a rank of the tuned run
     ap.add_argument("--lr", type=float, default=1e-4, help="the loop's and the stacked run's lr")
     ap.add_argument("--tuned-lr", type=float, default=1.6e-4,
@@ -185,7 +189,7 @@ def main() -> None:
     if not wanted or set(wanted) - {"loop", "stacked", "tuned"}:
         ap.error(f"--runs {args.runs}: a comma-separated subset of loop,stacked,tuned")
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from opd.distill import DistillConfig, resolve_routes
     from opd.distill.run import load_teachers, teacher_references
@@ -246,9 +250,15 @@ def main() -> None:
         worse = [g for (g, _, a, _), (_, _, b, _) in pairs if b < a - 0.05]
         print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s; min retention on the grid "
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
+    inference = args.inference_dtype
+    if inference == "auto":
+        from opd.distill.precision import fastest_inference_dtype
+
+        width = AutoConfig.from_pretrained(base).hidden_size
+        inference = f"auto ({str(fastest_inference_dtype(width)).removeprefix('torch.')} on this machine)"
     print(f"threads: loop 1, stacked 1, tuned {args.threads} x {args.ranks} rank(s); tuned: {args.prompts} prompts x "
           f"{args.group}, {args.updates} updates per step at lr {args.tuned_lr:g} (loop {args.lr:g}), {args.layout} layout"
-          f"{f', sampling ahead in a {args.sample_worker}' if args.sample_ahead else ''}, {args.inference_dtype} sampling and teacher scoring; "
+          f"{f', sampling ahead in a {args.sample_worker}' if args.sample_ahead else ''}, {inference} sampling and teacher scoring; "
           f"load average "
           f"{os.getloadavg()[0]:.2f}")
     if loop is not None and "tuned" in results:

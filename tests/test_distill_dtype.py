@@ -54,8 +54,8 @@ def test_the_student_samples_from_a_bf16_copy_synced_before_every_batch(teachers
     real_get_engine = loop.get_engine
     gaps = []
 
-    def spy_engine(kind, model, tokenizer):
-        engine = real_get_engine(kind, model=model, tokenizer=tokenizer)
+    def spy_engine(kind, model, tokenizer, **options):
+        engine = real_get_engine(kind, model=model, tokenizer=tokenizer, **options)
         engines.append(model)
         generate = engine.generate
 

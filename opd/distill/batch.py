@@ -97,11 +97,8 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     else:
         old_lp = None
     names = sorted({t for ts in routes.values() for t in ts})
-    weights = torch.zeros(len(names), B)
-    for k, name in enumerate(names):
-        for b, c in enumerate(row_caps):
-            weights[k, b] = routes.get(c, {}).get(name, 0.0)
-    weights = weights.to(device)
+    weights = torch.tensor([[routes.get(c, {}).get(name, 0.0) for c in row_caps] for name in names],
+                           dtype=torch.float32).reshape(len(names), B).to(device)
     target = log_z = None
     if layout == "packed" and bank is not None and bank.names == names and bank.fits_tokens(
             int(((weights > 0).float() @ cmask.sum(1)).sum())):

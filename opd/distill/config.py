@@ -73,10 +73,15 @@ class DistillConfig(BaseModel):
         "(torch.func.vmap over stacked weights) that also gives the full estimator's targets; 'loop': one forward "
         "per teacher, and another for the full estimator (the only way for SGLang teachers, taken automatically)")
     layout: Layout = Field("padded", description="how the student's update, the warm start and the stacked "
-                           "teachers lay out token rows: 'padded' (one right-padded row per sample) or 'packed' (no "
-                           "padding, a group's prompt once, rows of mixed lengths packed together under a block "
-                           "attention mask: the same hidden states up to float rounding at a fraction of the positions; "
-                           "see opd.rl.packing)")
+                           "teachers lay out token rows, and how the student prefills its prompts before sampling: 'padded' (one "
+                           "right-padded row per sample, prompts left-padded) or 'packed' (no padding, a group's prompt "
+                           "once, rows of mixed lengths packed together under a block attention mask: the same hidden "
+                           "states up to float rounding at a fraction of the positions; see opd.rl.packing)")
+    compact_every: int | None = Field(
+        None, gt=0, le=32768, description="the student samples in `generate` calls of this many tokens, and only the "
+        "rows that have not stopped go on to the next, from the KV cache (default: one call, every row computed to "
+        "the longest answer of the batch). The same sampling distribution; with answers of mixed lengths (short "
+        "arithmetic beside long string tasks) it skips the rows that have ended (see opd.rollout.embedded)")
     sample_ahead: bool = Field(False, description="sample and score the next step's batch in a worker (see "
                                "sample_worker), on a copy of the student synced after every step, while this step's "
                                "update runs: "
@@ -87,10 +92,12 @@ class DistillConfig(BaseModel):
         "'process' (a worker forked at the start, the sampler's weights in shared memory and pushed after every "
         "update, as to a rollout server; platforms that fork, CPU students). The two give the same batches; a process "
         "does not share the GIL with the update, which makes it the faster on a CPU (see opd.distill.ahead)")
-    inference_dtype: Literal["float32", "bfloat16"] | None = Field(
+    inference_dtype: Literal["float32", "bfloat16", "auto"] | None = Field(
         None, description="dtype the student samples in and the stacked teachers score in (default: the student's "
-        "own, with no copy); the update stays in the student's own dtype. 'bfloat16' runs their matrix products faster on CPUs with AVX512-BF16 and on GPUs, "
-        "as an SGLang server samples a bf16 copy of a model trained in fp32: the student then samples from its "
+        "own, with no copy); the update stays in the student's own dtype. 'bfloat16' runs their matrix products "
+        "faster on CPUs with AVX512-BF16 or AMX and on GPUs, but tens of times slower on CPUs with AVX2 alone; "
+        "'auto' times one product in each dtype on this machine and takes the faster (opd.distill.precision). "
+        "With bf16, as an SGLang server samples a bf16 copy of a model trained in fp32, the student samples from its "
         "weights rounded to bf16 (the sampled estimator's old log-probs are that copy's), and each token's teacher "
         "target is computed from bf16 teachers (in fp32 after the head)")
     warmstart_steps: int = Field(0, ge=0, description="supervised steps on verified teacher samples before OPD "

@@ -26,6 +26,7 @@ from opd.distill.ahead import start_ahead
 from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_hidden
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
+from opd.distill.precision import resolve_inference_dtype
 from opd.distill.routing import Routes, prompt_mix, require_routed
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, lm_head_weight
@@ -257,7 +258,7 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
 
 
 # Fields added after runs had checkpoints: left unset they stay out of the identity, so those resume.
-UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype")
+UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_every")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
 DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False}
@@ -382,7 +383,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
     require_routed("capability_weights", cfg.capability_weights or {}, routes)
     student.train()
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     rank, world = init_distributed() if wrap is not None else (0, 1)
     ranks = {"deepspeed": wrap is not None, "world_size": world}
     rng = random.Random(f"opd|{cfg.seed}" + (f"|{rank}" if rank else ""))
@@ -402,10 +403,13 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     # sample_ahead samples from a copy of the student that a worker reads while the update runs;
     # inference_dtype samples from a copy in that dtype (synced before each batch)
     own = next(student.parameters()).dtype
-    dtype = getattr(torch, cfg.inference_dtype) if cfg.inference_dtype else own
+    dtype = resolve_inference_dtype(cfg.inference_dtype, student)
+    if cfg.inference_dtype == "auto":
+        log(f"inference_dtype auto: sampling and teacher scoring in {str(dtype).removeprefix('torch.')} on this machine")
     cast = dtype != own
     sampler = _sampler_copy(student, dtype) if cfg.sample_ahead or cast else student
-    engine = get_engine("embedded", model=sampler, tokenizer=tokenizer)
+    engine = get_engine("embedded", model=sampler, tokenizer=tokenizer, compact_every=cfg.compact_every,
+                        prefill=cfg.layout)
     t0 = time.time() - state.elapsed
     routed = sorted({t for ts in routes.values() for t in ts})
     bank = None

@@ -48,6 +48,19 @@ def check_same_architecture(teachers: dict[str, Teacher], student=None) -> None:
                            "student's architecture and vocabulary")
 
 
+def _module_on(template: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of the meta-device `template` whose parameters and buffers are `tensors` (by name), not copies."""
+    one = copy.deepcopy(template)
+    for name, t in tensors.items():
+        owner, _, attr = name.rpartition(".")
+        mod = one.get_submodule(owner)
+        if attr in mod._parameters:
+            mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[attr] = t
+    return one.eval()
+
+
 class TeacherBank:
     """The teachers `names` (all in process, one architecture) as stacked weights, in `dtype` (default: the
     teachers' own; buffers such as RoPE's frequencies keep theirs). The heads' log-softmax and the mixed
@@ -63,12 +76,17 @@ class TeacherBank:
         self.params = {k: v.detach().to(dtype) for k, v in params.items()}
         self.buffers = buffers
         self.heads = torch.stack([lm_head_weight(m).detach() for m in models]).to(dtype)  # (K, V, H)
+        template = copy.deepcopy(decoders[0]).to("meta")  # the decoder's own attention implementation
         skeleton = copy.deepcopy(decoders[0]).to("meta")
         # sdpa has no vmap batching rule on CPU (a slow per-sample fallback); eager attention is plain
         # matmuls and a softmax, which vmap batches.
         skeleton.config._attn_implementation = "eager"
         self.skeleton = skeleton
-        self.plain = copy.deepcopy(decoders[0]).to("meta")  # one teacher at a time: the decoder's own attention
+        # One teacher at a time (the packed path): a decoder per teacher whose parameters are views of the
+        # stacked ones (no copy), called as a module: functional_call would swap ~100 tensors in and out
+        # of one skeleton per call.
+        self.plain = [_module_on(template, {**{n: v[k] for n, v in self.params.items()},
+                                            **{n: v[k] for n, v in buffers.items()}}) for k in range(len(models))]
         self.names = list(names)
 
     def fits(self, rows_per_teacher: int, T: int) -> bool:
@@ -122,10 +140,7 @@ class TeacherBank:
                                          self.heads.dtype).to(weights.device))
         hidden = {}
         for k, (_, t) in laid.items():  # one forward per teacher on its own packed rows (no cross-teacher padding)
-            p = {n: v[k] for n, v in self.params.items()}
-            b = {n: v[k] for n, v in self.buffers.items()}
-            h = functional_call(self.plain, (p, b), (), {"input_ids": t.ids, "attention_mask": t.mask,
-                                                         "position_ids": t.pos}).last_hidden_state
+            h = self.plain[k](input_ids=t.ids, attention_mask=t.mask, position_ids=t.pos).last_hidden_state
             hidden[k] = h.reshape(-1, h.shape[-1]).index_select(0, t.index)  # (n_k, H)
         mixed = torch.zeros(int(real.sum()), self.heads.shape[1], device=weights.device)
         teacher_lp = torch.zeros(K, B, cmask.shape[1], device=weights.device)

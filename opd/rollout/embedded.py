@@ -4,7 +4,9 @@ prompt shared by its samples): the CPU default."""
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
+from opd.rl.packing import Layout, lay_out
 from opd.rollout.base import Rollout, SamplingParams, cut_at_stop, stop_token_ids
 
 
@@ -16,8 +18,11 @@ class EmbeddedEngine:
     prompt's n samples always share one call, which prefills the prompt once for all of them.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int = 256):
+    def __init__(self, model, tokenizer, batch_size: int = 256, compact_every: int | None = None,
+                 prefill: Layout = "padded"):
         self.model = model
+        self.compact_every = compact_every
+        self.prefill = prefill
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.stop_ids = stop_token_ids(model, tokenizer)
@@ -62,10 +67,13 @@ class EmbeddedEngine:
             attn[r, L - len(p) :] = 1
         input_ids, attn = input_ids.to(device), attn.to(device)
         cache = None
-        if L > 1:
+        if L > 1 and self.prefill == "packed":
+            cache = self._packed_prefill(prompt_ids, L, device)
+        elif L > 1:
             pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # (U, L): as `generate` derives them
             cache = self.model(input_ids=input_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos[:, :-1],
                                use_cache=True).cache
+        if cache is not None:
             cache.batch_repeat_interleave(n)  # (U, ...) -> (U*n, ...)
         greedy = params.temperature == 0.0
         sample_kwargs = {} if greedy else {
@@ -73,24 +81,72 @@ class EmbeddedEngine:
             # generation_config default (50 in many checkpoints) and silently truncate sampling.
             "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
         }
-        gen = self.model.generate(
-            input_ids=input_ids.repeat_interleave(n, dim=0), attention_mask=attn.repeat_interleave(n, dim=0),
-            cache=cache, do_sample=not greedy, max_new_tokens=params.max_new_tokens,
-            eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-            output_logits=True, return_dict_in_generate=True, **sample_kwargs,
-        )
-        new = gen.sequences[:, L:]  # (U*n, T_new)
-        # `logits` are the raw model outputs before temperature/top-p/top-k: log_softmax of them is
-        # the temperature-1 policy that training recomputes, so the ratio starts at exactly 1.
-        logits = torch.stack(gen.logits, dim=1).float()  # (U*n, T_new, V)
-        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]  # (U*n, T_new)
+        ids, mask = input_ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)
+        rows = torch.arange(len(ids), device=device)  # the rows still sampling, as rows of the result
+        new_ids: list[list[int]] = [[] for _ in range(len(ids))]
+        new_lps: list[list[float]] = [[] for _ in range(len(ids))]
+        stop = torch.tensor(self.stop_ids, device=device)
+        left = params.max_new_tokens
+        while True:
+            gen = self.model.generate(
+                input_ids=ids, attention_mask=mask, cache=cache, do_sample=not greedy,
+                max_new_tokens=min(self.compact_every or left, left), eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True, **sample_kwargs,
+            )
+            new = gen.sequences[:, ids.shape[1]:]  # (a, t)
+            # `logits` are the raw model outputs before temperature/top-p/top-k: log_softmax of them is
+            # the temperature-1 policy that training recomputes, so the ratio starts at exactly 1.
+            logits = torch.stack(gen.logits, dim=1).float()  # (a, t, V)
+            lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]  # (a, t)
+            for r, t_ids, t_lp in zip(rows.tolist(), new.tolist(), lps.tolist(), strict=True):
+                new_ids[r] += t_ids
+                new_lps[r] += t_lp
+            left -= new.shape[1]
+            going = ~torch.isin(new, stop).any(1)  # (a,): no stop token yet
+            if left <= 0 or not going.any():
+                break
+            # compaction: only the rows still sampling go on, from the cache (every token but the last)
+            keep = going.nonzero().squeeze(1)
+            cache = gen.cache
+            cache.batch_select_indices(keep)
+            ids, rows = gen.sequences[keep], rows[keep]
+            mask = torch.cat([mask[keep], torch.ones_like(new[keep])], dim=1)
         self.model.train(was_training)
         stop_ids = set(self.stop_ids)
         results = []
-        for ids, lp in zip(new.tolist(), lps.tolist(), strict=True):
-            ids = cut_at_stop(ids, stop_ids)
-            results.append((ids, lp[: len(ids)]))
+        for ids_, lp in zip(new_ids, new_lps, strict=True):
+            ids_ = cut_at_stop(ids_, stop_ids)
+            results.append((ids_, lp[: len(ids_)]))
         return results
+
+    def _packed_prefill(self, prompt_ids: list[list[int]], L: int, device) -> DynamicCache:
+        """The KV cache of every prompt but its last token, left-padded to L-1 columns as the padded
+        prefill leaves it, from one forward over the prompts packed without padding (opd.rl.packing).
+
+        Each prompt is laid out as a one-token "prompt" and the rest as its "completion": the packed
+        layout then places its tokens at positions 0..len-2 (the last token, which `generate` feeds
+        itself, is left out) under a causal mask within the prompt alone, and its index names the flat
+        position of each. The keys and values there are the padded forward's, up to float rounding;
+        the padding columns hold any key, as the attention mask hides them."""
+        dtype = next(self.model.parameters()).dtype
+        laid = lay_out([p[:1] for p in prompt_ids], [p[1:] for p in prompt_ids], self.pad_id, "packed",
+                       dtype).to(device)
+        out = self.model.get_decoder()(input_ids=laid.ids, attention_mask=laid.mask, position_ids=laid.pos,
+                                       use_cache=True)
+        take = torch.zeros(len(prompt_ids), L - 1, dtype=torch.long)  # (U, L-1) flat position of each column
+        at = 0
+        for r, p in enumerate(prompt_ids):  # prompt r's len-1 cached tokens end at column L-2
+            take[r, L - len(p):] = laid.index[at : at + len(p) - 1]
+            at += len(p) - 1
+        take = take.to(device)
+        R, S = laid.ids.shape
+
+        def left_padded(x):  # (R, H, S, D) -> (U, H, L-1, D)
+            flat = x.transpose(1, 2).reshape(R * S, *x.shape[1:2], x.shape[-1])  # (R*S, H, D)
+            return flat[take].transpose(1, 2).contiguous()
+
+        return DynamicCache([(left_padded(layer.keys), left_padded(layer.values)) for layer in out.cache.layers],
+                            config=self.model.config)
 
     @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
