@@ -16,8 +16,11 @@ Three runs from the base, each until it has sampled --tokens student tokens:
            a worker samples and scores the next batch during each update (DistillConfig.sample_ahead, each
            batch one update behind): a forked process (--sample-worker process, DistillConfig.sample_worker;
            the sampler's weights in shared memory, so the two use both cores without sharing one GIL) or a
-           thread of this process (--sample-worker thread), and (--inference-dtype bfloat16) the
-           student samples and the teachers score in bf16 while the update stays fp32
+           thread of this process (--sample-worker thread). The student samples in generate calls of
+           --compact-every tokens (3), the rows that have stopped leaving the batch between calls, after
+           a packed prompt prefill (DistillConfig.compact_every, layout). With --inference-dtype auto (the
+           default) the student samples and the teachers score in bf16 where this machine multiplies
+           faster in it (AVX512-BF16, AMX), in fp32 where it does not (AVX2 alone); the update stays fp32
            (DistillConfig.inference_dtype). With --ranks N it runs data-parallel under DeepSpeed ZeRO-2 on N
            CPU ranks (torchrun, gloo), each rank sampling --prompts / N of the step's prompts, gradients
            averaged.

@@ -88,3 +88,25 @@ def test_inference_dtype_is_part_of_a_runs_identity_only_when_set():
 def test_an_unknown_inference_dtype_is_refused():
     with pytest.raises(ValueError, match="inference_dtype"):
         DistillConfig(inference_dtype="float16")
+
+
+def test_auto_takes_bf16_only_where_it_multiplies_faster(monkeypatch, pico_model):
+    import opd.distill.precision as precision
+
+    for bf16_s, want in ((1.0, torch.float32), (0.01, torch.bfloat16)):
+        precision.fastest_inference_dtype.cache_clear()
+        monkeypatch.setattr(precision, "_seconds",
+                            lambda dtype, width, device, repeats=5, s=bf16_s: s if dtype == torch.bfloat16 else 0.1)
+        assert precision.resolve_inference_dtype("auto", pico_model) == want
+    precision.fastest_inference_dtype.cache_clear()
+    assert precision.resolve_inference_dtype(None, pico_model) == torch.float32  # the model's own
+    assert precision.resolve_inference_dtype("bfloat16", pico_model) == torch.bfloat16
+    assert DistillConfig(inference_dtype="auto").inference_dtype == "auto"
+
+
+def test_the_banks_per_teacher_modules_are_views_of_the_stacked_weights(teachers):
+    bank = TeacherBank({**teachers, "other": teachers["count"]}, ["count", "other"], torch.bfloat16)
+    for k in range(2):
+        for name, p in bank.plain[k].named_parameters():
+            assert p.data_ptr() == bank.params[name][k].data_ptr() and p.dtype == torch.bfloat16
+            assert not p.requires_grad

@@ -16,6 +16,10 @@ class EmbeddedEngine:
     model: a transformers causal LM; tokenizer: its tokenizer (prompts are encoded without special
     tokens, as the lab trains them). batch_size: sequences per `generate` call (prompts x n); a
     prompt's n samples always share one call, which prefills the prompt once for all of them.
+    compact_every: tokens per `generate` call, after which the rows that have stopped leave the batch
+    (None: one call to the end). prefill: "padded" (left-padded prompts) or "packed" (no padding).
+    Both options sample the same distribution as the defaults, with the same greedy answers; on a
+    CPU, where every row costs its compute, they skip the work of padding and of finished rows.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 256, compact_every: int | None = None,
@@ -51,10 +55,14 @@ class EmbeddedEngine:
         return out
 
     def _generate_groups(self, prompt_ids: list[list[int]], n: int, params: SamplingParams):
-        """`n` samples of each prompt in one `generate` call: [(completion_ids, logprobs)] prompt-major.
+        """`n` samples of each prompt: [(completion_ids, logprobs)] prompt-major.
 
-        Each prompt is prefilled once, not `n` times: a forward over all but its last token fills a
-        KV cache that is repeated for its `n` rows, and `generate` continues from that cache.
+        Each prompt is prefilled once, not `n` times: a forward over all but its last token (left-padded
+        rows, or with `prefill="packed"` the prompts packed without padding) fills a KV cache that is
+        repeated for its `n` rows, and `generate` continues from that cache. With `compact_every`,
+        `generate` runs that many tokens at a time and only the rows without a stop token go on, their
+        cache rows selected: a batch of short and long answers then stops computing the short ones once
+        they have ended, instead of carrying them as padding to the longest.
         """
         was_training = self.model.training
         self.model.eval()
@@ -129,16 +137,15 @@ class EmbeddedEngine:
         position of each. The keys and values there are the padded forward's, up to float rounding;
         the padding columns hold any key, as the attention mask hides them."""
         dtype = next(self.model.parameters()).dtype
-        laid = lay_out([p[:1] for p in prompt_ids], [p[1:] for p in prompt_ids], self.pad_id, "packed",
-                       dtype).to(device)
-        out = self.model.get_decoder()(input_ids=laid.ids, attention_mask=laid.mask, position_ids=laid.pos,
-                                       use_cache=True)
+        laid = lay_out([p[:1] for p in prompt_ids], [p[1:] for p in prompt_ids], self.pad_id, "packed", dtype)
         take = torch.zeros(len(prompt_ids), L - 1, dtype=torch.long)  # (U, L-1) flat position of each column
         at = 0
         for r, p in enumerate(prompt_ids):  # prompt r's len-1 cached tokens end at column L-2
             take[r, L - len(p):] = laid.index[at : at + len(p) - 1]
             at += len(p) - 1
-        take = take.to(device)
+        laid, take = laid.to(device), take.to(device)
+        out = self.model.get_decoder()(input_ids=laid.ids, attention_mask=laid.mask, position_ids=laid.pos,
+                                       use_cache=True)
         R, S = laid.ids.shape
 
         def left_padded(x):  # (R, H, S, D) -> (U, H, L-1, D)
