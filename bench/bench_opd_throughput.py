@@ -192,7 +192,7 @@ def main() -> None:
     if not wanted or set(wanted) - {"loop", "stacked", "tuned"}:
         ap.error(f"--runs {args.runs}: a comma-separated subset of loop,stacked,tuned")
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from opd.distill import DistillConfig, resolve_routes
     from opd.distill.run import load_teachers, teacher_references
@@ -254,11 +254,11 @@ def main() -> None:
         print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s; min retention on the grid "
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
     inference = args.inference_dtype
-    if inference == "auto":
-        from opd.distill.precision import fastest_inference_dtype
+    if inference == "auto":  # what the loop resolved it to (cached per machine)
+        from opd.distill.precision import resolve_inference_dtype
 
-        width = AutoConfig.from_pretrained(base).hidden_size
-        inference = f"auto ({str(fastest_inference_dtype(width)).removeprefix('torch.')} on this machine)"
+        picked = resolve_inference_dtype("auto", next(iter(teachers.values())).model)
+        inference = f"auto ({str(picked).removeprefix('torch.')} on this machine)"
     print(f"threads: loop 1, stacked 1, tuned {args.threads} x {args.ranks} rank(s); tuned: {args.prompts} prompts x "
           f"{args.group}, {args.updates} updates per step at lr {args.tuned_lr:g} (loop {args.lr:g}), {args.layout} layout"
           f"{f', sampling ahead in a {args.sample_worker}' if args.sample_ahead else ''}, {inference} sampling and teacher scoring; "
