@@ -93,3 +93,18 @@ def test_compact_every_must_be_positive():
     with pytest.raises(ValueError, match="compact_every"):
         DistillConfig(compact_every=0)
     assert DistillConfig(compact_every=3).compact_every == 3
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_engine_leaves_the_models_mode_as_it_found_it(pico_model, tokenizer, training):
+    """A training student samples in eval mode and is handed back training; a sampler kept in eval mode
+    (the loop's copy) is not switched at all (train() walks every module on each call)."""
+    pico_model.train(training)
+    calls = []
+    original = type(pico_model).train
+    pico_model.train = lambda mode=True: (calls.append(mode), original(pico_model, mode))[1]
+    engine = EmbeddedEngine(pico_model, tokenizer, compact_every=2)
+    engine.generate(["1+2="], 2, SamplingParams(temperature=1.0, max_new_tokens=4, seed=0))
+    engine.score([[5, 6]], [[7]])
+    assert pico_model.training is training
+    assert calls == ([False, True, False, True] if training else [])

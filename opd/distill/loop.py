@@ -274,8 +274,8 @@ def _identity(cfg: DistillConfig) -> dict:
 def _sampler_copy(student, dtype: torch.dtype):
     """A copy of the student whose parameters are in `dtype`; its buffers (RoPE's frequencies) keep their
     own dtype, so positions are not rounded."""
-    sampler = copy.deepcopy(student)
-    for p in sampler.parameters():
+    sampler = copy.deepcopy(student).eval()  # it only samples and scores: no dropout, and the engine need
+    for p in sampler.parameters():        # not switch its mode (with the `kernels` hub a walk over every module)
         p.data = p.data.to(dtype)
     return sampler
 

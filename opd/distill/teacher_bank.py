@@ -140,7 +140,8 @@ class TeacherBank:
                                          self.heads.dtype).to(weights.device))
         hidden = {}
         for k, (_, t) in laid.items():  # one forward per teacher on its own packed rows (no cross-teacher padding)
-            h = self.plain[k](input_ids=t.ids, attention_mask=t.mask, position_ids=t.pos).last_hidden_state
+            h = self.plain[k](input_ids=t.ids, attention_mask=t.mask, position_ids=t.pos,
+                              use_cache=False).last_hidden_state
             hidden[k] = h.reshape(-1, h.shape[-1]).index_select(0, t.index)  # (n_k, H)
         mixed = torch.zeros(int(real.sum()), self.heads.shape[1], device=weights.device)
         teacher_lp = torch.zeros(K, B, cmask.shape[1], device=weights.device)

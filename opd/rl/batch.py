@@ -14,14 +14,13 @@ def pad_sequences(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
     B = len(prompt_ids)
     L = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
     Tc = max(len(c) for c in completion_ids)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    cmask = torch.zeros((B, Tc), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attn[i, : len(p) + len(c)] = 1
-        cmask[i, : len(c)] = 1.0
-    plen = torch.tensor([len(p) for p in prompt_ids])
+    # built as Python lists, one tensor each: a row's slice assignment costs more than its ~10 tokens
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    ids = torch.tensor([s + [pad_id] * (L - len(s)) for s in seqs], dtype=torch.long).reshape(B, L)
+    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], dtype=torch.long).reshape(B, L)
+    cmask = torch.tensor([[1.0] * len(c) + [0.0] * (Tc - len(c)) for c in completion_ids],
+                         dtype=torch.float32).reshape(B, Tc)
+    plen = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
     return ids, attn, cmask, plen
 
 

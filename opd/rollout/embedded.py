@@ -65,7 +65,8 @@ class EmbeddedEngine:
         they have ended, instead of carrying them as padding to the longest.
         """
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # train(False) walks every module (and, with the `kernels` hub, swaps forwards)
+            self.model.eval()
         device = next(self.model.parameters()).device
         L = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), L), self.pad_id, dtype=torch.long)
@@ -119,7 +120,8 @@ class EmbeddedEngine:
             cache.batch_select_indices(keep)
             ids, rows = gen.sequences[keep], rows[keep]
             mask = torch.cat([mask[keep], torch.ones_like(new[keep])], dim=1)
-        self.model.train(was_training)
+        if was_training:
+            self.model.train()
         stop_ids = set(self.stop_ids)
         results = []
         for ids_, lp in zip(new_ids, new_lps, strict=True):
@@ -161,7 +163,8 @@ class EmbeddedEngine:
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
         was_training = self.model.training
-        self.model.eval()
+        if was_training:
+            self.model.eval()
         device = next(self.model.parameters()).device
         out: list[list[float]] = []
         for start in range(0, len(prompt_ids), self.batch_size):
@@ -181,7 +184,8 @@ class EmbeddedEngine:
             tok_lp = logp.gather(-1, ids[:, 1:, None].to(device))[..., 0]  # (B, T-1)
             for r, (p, c) in enumerate(zip(ps, cs, strict=True)):
                 out.append(tok_lp[r, len(p) - 1 : len(p) - 1 + len(c)].tolist())
-        self.model.train(was_training)
+        if was_training:
+            self.model.train()
         return out
 
     def sync_weights(self, model) -> None:
