@@ -29,7 +29,8 @@ retention checks on the grid (every --grid student tokens, --eval-limit val item
 grid for every run) and a DeepSpeed engine's start-up are excluded.
 The min (and mean) retention over the capabilities at each grid point is printed so that a faster loop
 that learns less per token shows. With --seeds N every run repeats with seeds 0..N-1, loop and tuned
-interleaved so both meet the same load; then tokens/s pools the seeds and the grid averages them.
+interleaved so both meet the same load; then tokens/s pools the seeds and the grid averages them, and
+each seed's own ratio is printed too (its spread shows how far this machine's noise moves the ratio).
 The last line is `ratio: N.NN`, tuned / loop student tokens per second.
 """
 
@@ -251,7 +252,9 @@ def main() -> None:
         r = results[label]
         pairs = list(zip(loop["curve"], r["curve"]))
         worse = [g for (g, _, a, _), (_, _, b, _) in pairs if b < a - 0.05]
-        print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s; min retention on the grid "
+        each = "" if args.seeds == 1 else " (per seed: " + ", ".join(
+            f"{s[label]['tps'] / s['loop']['tps']:.2f}x" for s in per_seed) + ")"
+        print(f"{label} / loop: {r['tps'] / loop['tps']:.2f}x student tokens/s{each}; min retention on the grid "
               + (f"lower by > 0.05 at {worse}" if worse else "within 0.05 or better at every point"), flush=True)
     inference = args.inference_dtype
     if inference == "auto":  # what the loop resolved it to (cached per machine)

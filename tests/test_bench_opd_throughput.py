@@ -46,4 +46,5 @@ def test_seeds_interleave_loop_and_tuned_and_pool_them():
     pooled = {line.split()[0]: line for line in lines if re.match(r"(loop|tuned) +over 2 seeds: ", line)}
     assert set(pooled) == {"loop", "tuned"} and "300:" in pooled["tuned"] and "600:" in pooled["tuned"]
     assert "sampling ahead in a process, bfloat16 sampling and teacher scoring" in out.stdout
+    assert re.search(r"tuned / loop: \d+\.\d\dx student tokens/s \(per seed: \d+\.\d\dx, \d+\.\d\dx\)", out.stdout)
     assert re.fullmatch(r"ratio: \d+\.\d\d", lines[-1])
