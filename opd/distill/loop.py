@@ -274,8 +274,10 @@ def _identity(cfg: DistillConfig) -> dict:
 def _sampler_copy(student, dtype: torch.dtype):
     """A copy of the student whose parameters are in `dtype`; its buffers (RoPE's frequencies) keep their
     own dtype, so positions are not rounded."""
-    sampler = copy.deepcopy(student).eval()  # it only samples and scores: no dropout, and the engine need
-    for p in sampler.parameters():        # not switch its mode (with the `kernels` hub a walk over every module)
+    # eval for good: it only samples and scores, so the engine never has to switch its mode (a walk over
+    # every module per call, with transformers' kernel checks)
+    sampler = copy.deepcopy(student).eval()
+    for p in sampler.parameters():
         p.data = p.data.to(dtype)
     return sampler
 
