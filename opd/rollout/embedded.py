@@ -3,11 +3,32 @@ prompt shared by its samples): the CPU default."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import DynamicCache
 
 from opd.rl.packing import Layout, lay_out
 from opd.rollout.base import Rollout, SamplingParams, cut_at_stop, stop_token_ids
+
+
+def _in_eval_mode(method):
+    """Run `method` with the engine's model in eval mode, handed back as it was. A model already in eval
+    mode (the OPD loop's sampler copy) is not switched: train() walks every module, and transformers
+    re-checks its hub kernels there, on every call."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        training = self.model.training
+        if training:
+            self.model.eval()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if training:
+                self.model.train()
+
+    return wrapper
 
 
 class EmbeddedEngine:
@@ -54,6 +75,7 @@ class EmbeddedEngine:
                                 for r in rows])
         return out
 
+    @_in_eval_mode
     def _generate_groups(self, prompt_ids: list[list[int]], n: int, params: SamplingParams):
         """`n` samples of each prompt: [(completion_ids, logprobs)] prompt-major.
 
@@ -64,9 +86,6 @@ class EmbeddedEngine:
         cache rows selected: a batch of short and long answers then stops computing the short ones once
         they have ended, instead of carrying them as padding to the longest.
         """
-        was_training = self.model.training
-        if was_training:  # train(False) walks every module (and, with the `kernels` hub, swaps forwards)
-            self.model.eval()
         device = next(self.model.parameters()).device
         L = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), L), self.pad_id, dtype=torch.long)
@@ -120,8 +139,6 @@ class EmbeddedEngine:
             cache.batch_select_indices(keep)
             ids, rows = gen.sequences[keep], rows[keep]
             mask = torch.cat([mask[keep], torch.ones_like(new[keep])], dim=1)
-        if was_training:
-            self.model.train()
         stop_ids = set(self.stop_ids)
         results = []
         for ids_, lp in zip(new_ids, new_lps, strict=True):
@@ -158,13 +175,11 @@ class EmbeddedEngine:
                             config=self.model.config)
 
     @torch.no_grad()
+    @_in_eval_mode
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs of each completion token given its prompt and the earlier tokens."""
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
-        was_training = self.model.training
-        if was_training:
-            self.model.eval()
         device = next(self.model.parameters()).device
         out: list[list[float]] = []
         for start in range(0, len(prompt_ids), self.batch_size):
@@ -184,8 +199,6 @@ class EmbeddedEngine:
             tok_lp = logp.gather(-1, ids[:, 1:, None].to(device))[..., 0]  # (B, T-1)
             for r, (p, c) in enumerate(zip(ps, cs, strict=True)):
                 out.append(tok_lp[r, len(p) - 1 : len(p) - 1 + len(c)].tolist())
-        if was_training:
-            self.model.train()
         return out
 
     def sync_weights(self, model) -> None:
