@@ -26,6 +26,7 @@ from opd.merge.trials import read
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = Path(__file__).resolve().parents[1]
+SEARCH_LOG: list[str] = []  # what the shared search below logged (it runs without the live display)
 
 
 def test_retention_and_pareto_by_hand():
@@ -46,7 +47,20 @@ def run(tmp_path_factory):
                   "linear": {"weight": [0.2, 1.0]}}
     recipe = load_recipe(write_recipe(tmp / "r.yaml", lab, tmp / "out", strategies=strategies))
     torch.set_num_threads(1)
-    return recipe, run_recipe(recipe, live=False, log=lambda *a: None)
+    return recipe, run_recipe(recipe, live=False, log=SEARCH_LOG.append)
+
+
+def test_search_without_the_live_display_logs_a_line_per_trial(run):
+    """--no-live (or a log file) still shows progress: one plain line per finished trial, in order,
+    with its strategy, its min retention on val and its minutes."""
+    recipe, _ = run
+    lines = [line for line in SEARCH_LOG if line.startswith("trial ")]
+    n = recipe.budget.n_trials
+    assert len(lines) == n
+    for i, line in enumerate(lines, 1):
+        assert line.startswith(f"trial {i}/{n} (#"), line
+        assert any(f" {s}): " in line for s in recipe.strategies), line
+        assert " min" in line and "val" in line, line
 
 
 def test_export_rebuilds_a_trial_with_mergekits_run_merge(run, capsys):

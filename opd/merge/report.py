@@ -23,8 +23,9 @@ class LiveBoard:
     table of the best candidates so far, rebuilt after each trial (never from the display's refresh
     thread, which would query the study's storage twice a second)."""
 
-    def __init__(self, study, n_trials: int | None, done: int, enabled: bool = True, top: int = 5):
+    def __init__(self, study, n_trials: int | None, done: int, enabled: bool = True, top: int = 5, log=None):
         self.study, self.n_trials, self.done, self.enabled, self.top = study, n_trials, done, enabled, top
+        self.log = log  # without the live display (--no-live, a log file): one plain line per finished trial
 
     def __enter__(self):
         if not self.enabled:
@@ -61,10 +62,26 @@ class LiveBoard:
         return table
 
     def callback(self, study, trial) -> None:
+        self.done += 1
         if not self.enabled:
+            if self.log is not None:
+                self.log(trial_line(trial, self.done, self.n_trials))
             return
         self.progress.advance(self.task)
         self.table = self._table()
+
+
+def trial_line(trial, done: int, n_trials: int | None) -> str:
+    """One finished trial as a plain progress line: its count, strategy, stage, min retention and minutes."""
+    rec = trials.read(trial)
+    strategy = rec.candidate.strategy if rec.candidate is not None else "?"
+    state = trial.state.name.lower()
+    if rec.min_retention is not None and state == "complete":
+        state = f"min retention {rec.min_retention:.3f} on the {rec.stage or 'full'} val"
+    minutes = ""
+    if trial.datetime_start is not None and trial.datetime_complete is not None:
+        minutes = f", {(trial.datetime_complete - trial.datetime_start).total_seconds() / 60:.1f} min"
+    return f"trial {done}/{n_trials if n_trials is not None else '?'} (#{trial.number} {strategy}): {state}{minutes}"
 
 
 def _png(fig) -> bytes:

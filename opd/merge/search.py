@@ -299,8 +299,9 @@ def finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: References, study: optuna.Study,
-               *, live: bool = True) -> None:
-    """The search loop: merge in memory, screen on a val subset, promote to full val, record."""
+               *, live: bool = True, log=None) -> None:
+    """The search loop: merge in memory, screen on a val subset, promote to full val, record. Without
+    the live display, `log` gets one line per finished trial."""
     from opd.merge.report import LiveBoard
 
     experts, caps = list(inputs.expert_paths), inputs.capabilities
@@ -347,7 +348,7 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
     callbacks = []
     if n_trials is not None:
         callbacks.append(optuna.study.MaxTrialsCallback(n_trials, states=(optuna.trial.TrialState.COMPLETE,)))
-    with LiveBoard(study, n_trials, done, enabled=live) as board:
+    with LiveBoard(study, n_trials, done, enabled=live, log=log) as board:
         callbacks.append(board.callback)
         study.optimize(objective, n_trials=remaining, timeout=recipe.budget.timeout_s, callbacks=callbacks,
                        catch=(ValueError, RuntimeError))
@@ -514,7 +515,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         log(f"not counted in min/mean retention (the expert does not beat the base by {MIN_GAIN_Z:g} stderr on "
             f"val): {', '.join(left_out)}")
     t_search = time.time()
-    run_search(recipe, inputs, scorer, refs, study, live=live)
+    run_search(recipe, inputs, scorer, refs, study, live=live, log=log)
     if worker:
         return {"trials": len(finished(study))}
 
