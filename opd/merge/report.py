@@ -62,10 +62,12 @@ class LiveBoard:
         return table
 
     def callback(self, study, trial) -> None:
-        self.done += 1
         if not self.enabled:
-            if self.log is not None:
-                self.log(trial_line(trial, self.done, self.n_trials))
+            if self.log is not None:  # the study's count, so that workers sharing it agree
+                from optuna.trial import TrialState
+
+                done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+                self.log(trial_line(trial, done, self.n_trials))
             return
         self.progress.advance(self.task)
         self.table = self._table()
