@@ -156,10 +156,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40_000, help="student tokens per run")
     ap.add_argument("--grid", type=int, default=10_000, help="student tokens between retention checks")
     ap.add_argument("--eval-limit", type=int, default=50)
-    ap.add_argument("--prompts", type=int, default=64, help="tuned run: prompts per step (with 3 samples and 3 "
-                    "updates, 64 rows per update; the loop's 20 x 4 in 2 updates is 40)")
+    ap.add_argument("--prompts", type=int, default=128, help="tuned run: prompts per step (with 3 samples and 6 "
+                    "updates, 64 rows per update; the loop's 20 x 4 in 2 updates is 40). Sampling twice the prompts "
+                    "per step (128 x 3 in 6 updates, not 64 x 3 in 3) keeps each update's rows and lr and halves the "
+                    "sampler's and teachers' per-call overheads per token")
     ap.add_argument("--group", type=int, default=3, help="tuned run: samples per prompt")
-    ap.add_argument("--updates", type=int, default=3, help="tuned run: minibatch updates per step")
+    ap.add_argument("--updates", type=int, default=6, help="tuned run: minibatch updates per step")
     ap.add_argument("--layout", choices=["packed", "padded"], default="packed", help="tuned run: token layout")
     ap.add_argument("--threads", type=int, default=1, help="tuned run: torch threads per process")
     ap.add_argument("--ranks", type=int, default=1, help="tuned run: data-parallel CPU ranks (DeepSpeed ZeRO-2, "

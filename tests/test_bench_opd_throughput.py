@@ -27,7 +27,7 @@ def test_quick_runs_the_tuned_loop_on_two_ranks():
 
 def test_ranks_must_divide_the_prompts():
     out = subprocess.run([sys.executable, str(BENCH), "--quick", "--ranks", "5"], capture_output=True, text=True)
-    assert out.returncode == 2 and "--ranks 5: must be >= 1 and divide --prompts 64" in out.stderr
+    assert out.returncode == 2 and "--ranks 5: must be >= 1 and divide --prompts 128" in out.stderr
 
 
 def test_runs_must_name_known_runs():
@@ -37,7 +37,8 @@ def test_runs_must_name_known_runs():
 
 def test_seeds_interleave_loop_and_tuned_and_pool_them():
     out = subprocess.run([sys.executable, str(BENCH), "--quick", "--runs", "loop,tuned", "--seeds", "2", "--tokens",
-                          "600", "--grid", "300", "--sample-ahead", "1", "--inference-dtype", "bfloat16"],
+                          "600", "--grid", "300", "--sample-ahead", "1", "--inference-dtype", "bfloat16",
+                          "--prompts", "64", "--updates", "3"],  # small steps: two grid points in 600 tokens
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
