@@ -1,4 +1,4 @@
-"""Print the lab's measured tables as Markdown (what README.md shows), from the manifests on disk.
+"""Print the lab's measured tables as Markdown (what docs/results/ shows), from the manifests on disk.
 
     python scripts/lab_tables.py [--base runs/base] [--experts add,count,...]
 

@@ -108,7 +108,7 @@ def test_opd_report_renders_a_finished_run_again(run, capsys):
 
 
 def test_optuna_dashboard_reads_the_study(run):
-    """`optuna-dashboard sqlite:///runs/merge/<name>/study.db` (README) serves the search's study: its
+    """`optuna-dashboard sqlite:///runs/merge/<name>/study.db` (docs/reports.md) serves the search's study: its
     WSGI app lists it with every finished trial."""
     from wsgiref.util import setup_testing_defaults
 
