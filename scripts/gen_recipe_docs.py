@@ -17,7 +17,6 @@ from pathlib import Path
 
 import annotated_types
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "reference" / "recipes.md"
@@ -86,12 +85,12 @@ def _bounds(field) -> str:
 
 
 def _default(field) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()
-    elif field.default is PydanticUndefined:
+    if field.is_required():
         return "required"
-    else:
-        value = field.default
+    try:
+        value = field.get_default(call_default_factory=True, validated_data={})
+    except Exception:  # a factory that reads other fields' values: no single default to show
+        return "computed"
     if isinstance(value, BaseModel):
         return "its defaults"
     return f"`{json.dumps(value, default=str)}`"

@@ -61,6 +61,19 @@ def test_readme_keeps_the_commands_ci_runs():
     assert 'pip install torch==2.13.0 -e ".[dev]" && python scripts/lab.py' in text
 
 
+def test_recipe_examples_in_docs_load(tmp_path):
+    # A merge recipe shown in a guide is one a user copies: it must validate as written.
+    from opd.merge.recipe import load_recipe
+
+    shown = [block for page in DOCS for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)
+             if re.search(r"^experts:", block, re.M) and re.search(r"^strategies:", block, re.M)]
+    assert shown, "no merge recipe example found in docs/"
+    for n, block in enumerate(shown):
+        path = tmp_path / f"example{n}.yaml"
+        path.write_text(block)
+        load_recipe(path)
+
+
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
