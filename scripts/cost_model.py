@@ -452,8 +452,49 @@ def t_checks() -> str:
     return _table(["check", "published", "this model", "reading"], rows)
 
 
+def t_derived() -> str:
+    """Figures the prose quotes that no other table shows."""
+    s, r = QWEN3_8B, OPD
+    ctx, seq = r.prompt_len + r.resp_len / 2, (r.prompt_len + r.resp_len) / 2
+    d = decode(s, ctx, engine_gpus(s))
+    pf, tr = prefill_gpu_s(s, seq), train_gpu_s(s, seq)
+    m = marin_check()
+    g = rollout_gpu_s(QWEN3_1_7B, OPD, teacher=QWEN3_32B)
+    mfu_sns = MFU["dense"]["prefill"] * g["score"] / (9 * g["update"])  # teacher MFU giving 90% of score + update
+    flop_ratio = QWEN3_32B.fwd_flops(seq) / (3 * QWEN3_1_7B.fwd_flops(seq))
+    full = {n: b for n, b, _ in payloads(s.vocab)}
+    merge_bytes = (N_EXPERTS + 1) * GLM45.weight_bytes()
+    glm52_total = 744e9  # published total of GLM-5.2 (slime's 256-H100 example); its shape is not modelled
+    rows = []
+    for shape in (QWEN3_8B, GLM45):
+        st = stages(shape)
+        tot = sum(x["gpu_h"] for x in st)
+        rows.append([f"{shape.name}: expert RL's share of all GPU-hours; OPD / expert RL",
+                     f"{st[0]['gpu_h'] / tot:.0%}; {st[2]['gpu_h'] / st[0]['gpu_h']:.1%}"])
+    rows += [
+        ["8B decode: achieved MFU; GPU time per token against a prefill / a training token",
+         f"{d['flops_per_token'] / d['gpu_s_per_token'] / H100_BF16_FLOPS:.1%}; "
+         f"{d['gpu_s_per_token'] / pf:.1f}x / {d['gpu_s_per_token'] / tr:.1f}x"],
+        ["8B: AdamW state traffic per step on one GPU's HBM", f"{OPT_BYTES_PER_PARAM * s.params()[0] / (HBM_BW * BW_EFF):.2f} s"],
+        ["8B: weight sync to samplers over one node's 8 NICs", f"{s.weight_bytes() / (GPUS_PER_NODE * IB_BW):.2f} s"],
+        ["bf16 full vocabulary / top-256; fp32 full vocabulary / bf16 hidden state (width 4096)",
+         f"{full['full vocabulary, bf16'] / full['top-256 (int32 id + fp32 logprob)']:.0f}x; "
+         f"{full['full vocabulary, fp32'] / (s.hidden * 2):.1f}x"],
+        ["GLM-4.5: ten teachers resident (GPUs); one merge candidate's reads (base + ten experts)",
+         f"{N_EXPERTS * teacher_gpus(GLM45)}; {merge_bytes / 1e12:.1f} TB in {merge_bytes / DISK_BW / 60:.0f} min"],
+        ["32B forward / 1.7B forward + backward, FLOPs per token", f"{flop_ratio:.1f}"],
+        ["marin: teacher MFU for 90% with / without sampling in the step", f"{m['mfu_needed']:.0%} / {mfu_sns:.0%}"],
+        ["GLM-5.2 (744B): GPUs to hold mixed-precision Adam state",
+         f"{math.ceil(glm52_total * TRAIN_STATE_BYTES / (HBM_BYTES * MEM_FRACTION))}"],
+        ["lab: fp32 weights; fp32 KV per token",
+         f"{LAB.params()[0] * 4 / 1e6:.1f} MB; {LAB.kv_bytes_per_token(4):,} B"],
+    ]
+    return _table(["figure", "value"], rows)
+
+
 TABLES = {"constants": t_constants, "models": t_models, "lab": t_lab, "opd_step": t_opd_step,
-          "payload": t_payload, "stages": t_stages, "checks": t_checks}
+          "payload": t_payload, "stages": t_stages, "checks": t_checks,
+          "derived": t_derived}
 
 
 def render(doc: str) -> str:
