@@ -38,6 +38,20 @@ DISK_BW = 10e9             # bytes/s a merge worker streams expert weights (NVMe
 
 
 @dataclass(frozen=True)
+class Gpu:
+    name: str
+    flops: float    # dense bf16 peak, FLOP/s
+    bw: float       # HBM bytes/s
+    hbm: float      # HBM bytes
+
+
+H100 = Gpu("H100 SXM", H100_BF16_FLOPS, HBM_BW, HBM_BYTES)
+# Only for checking marin#6218, which ran on Leonardo's A100-64GB: 312 TFLOP/s bf16 is the A100 spec sheet's;
+# 1.6 TB/s is an assumption between the 40 GB (1.56) and 80 GB (2.04) parts.
+A100_64 = Gpu("A100-64GB", 312e12, 1.6e12, 64e9)
+
+
+@dataclass(frozen=True)
 class Shape:
     """A decoder's shape, as its config.json gives it. `experts`/`topk`/`moe_layers` are 0 for dense."""
     name: str
@@ -106,6 +120,8 @@ QWEN3_32B = Shape("Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936, tied=False,
 GLM45 = Shape("GLM-4.5", 92, 5120, 96, 8, 128, 12288, 151552, tied=False, moe_layers=89, experts=160, topk=8,
               shared_experts=1, moe_intermediate=1536,
               source="slime scripts/models/glm4.5-355B-A32B.sh (MTP layer left out)")
+QWEN3_235B = Shape("Qwen3-235B-A22B", 94, 4096, 64, 4, 128, 12288, 151936, tied=False, moe_layers=94, experts=128,
+                   topk=8, moe_intermediate=1536, source="slime scripts/models/qwen3-235B-A22B.sh")
 LAB = Shape("lab base", 4, 192, 6, 2, 32, 512, 60, tied=True, source="opd/lab/model.py ModelShape defaults, char vocab")
 
 # ---------------------------------------------------------------- the lab's measured parts (cited; a test checks the quotes)
@@ -157,12 +173,12 @@ def _mfu(s: Shape, phase: str) -> float:
     return MFU["moe" if s.moe else "dense"][phase]
 
 
-def decode(s: Shape, ctx: float, gpus: int) -> dict:
+def decode(s: Shape, ctx: float, gpus: int, gpu: Gpu = H100) -> dict:
     """One engine of `gpus` GPUs decoding as many sequences as its KV memory holds (mean context `ctx`).
     Memory-bound unless the FLOPs of the batch take longer than reading weights + KV once per step."""
     w_bytes = s.weight_bytes()
     kv_seq = s.kv_bytes_per_token() * ctx
-    free = gpus * HBM_BYTES * MEM_FRACTION - w_bytes
+    free = gpus * gpu.hbm * MEM_FRACTION - w_bytes
     batch = max(1, math.floor(free / kv_seq))
     touched = 1.0
     if s.moe:  # fraction of routed experts some token of the batch hits, per layer (uniform routing)
@@ -170,8 +186,8 @@ def decode(s: Shape, ctx: float, gpus: int) -> dict:
         expert_bytes = s.moe_layers * s.experts * 3 * s.hidden * s.moe_intermediate * 2
         w_bytes = w_bytes - expert_bytes * (1 - touched)
     step_bytes = w_bytes + batch * kv_seq
-    t_mem = step_bytes / (gpus * HBM_BW * BW_EFF)
-    t_flop = batch * s.fwd_flops(ctx) / (gpus * H100_BF16_FLOPS * _mfu(s, "decode"))
+    t_mem = step_bytes / (gpus * gpu.bw * BW_EFF)
+    t_flop = batch * s.fwd_flops(ctx) / (gpus * gpu.flops * _mfu(s, "decode"))
     t_a2a = 0.0
     if s.moe and gpus > GPUS_PER_NODE:  # expert-parallel dispatch + combine of bf16 hidden states, off-node share
         off_node = 1 - GPUS_PER_NODE / gpus
@@ -183,12 +199,12 @@ def decode(s: Shape, ctx: float, gpus: int) -> dict:
             "flops_per_token": s.fwd_flops(ctx), "a2a_share": t_a2a / t_step}
 
 
-def prefill_gpu_s(s: Shape, ctx: float) -> float:
-    return s.fwd_flops(ctx) / (H100_BF16_FLOPS * _mfu(s, "prefill"))
+def prefill_gpu_s(s: Shape, ctx: float, gpu: Gpu = H100) -> float:
+    return s.fwd_flops(ctx) / (gpu.flops * _mfu(s, "prefill"))
 
 
-def train_gpu_s(s: Shape, ctx: float) -> float:
-    return 3 * s.fwd_flops(ctx) / (H100_BF16_FLOPS * _mfu(s, "train"))  # forward + backward = 3 forwards (6N)
+def train_gpu_s(s: Shape, ctx: float, gpu: Gpu = H100) -> float:
+    return 3 * s.fwd_flops(ctx) / (gpu.flops * _mfu(s, "train"))  # forward + backward = 3 forwards (6N)
 
 
 def engine_gpus(s: Shape) -> int:
@@ -398,23 +414,48 @@ def t_stages() -> str:
                    "where the GPU time goes"], rows)
 
 
-def marin_check() -> dict:
-    """Teacher share of an OPD step for a 32B teacher and a 1.7B student, and the teacher MFU at which the
-    model would give marin#6218's 90%."""
-    g = rollout_gpu_s(QWEN3_1_7B, OPD, teacher=QWEN3_32B)
-    share = g["score"] / sum(g.values())
-    rest = g["sample"] + g["update"]
-    need = 0.90 / 0.10 * rest  # teacher GPU-seconds that make it 90%
-    mfu_needed = MFU["dense"]["prefill"] * g["score"] / need
-    return {"share": share, "mfu_needed": mfu_needed, "share_no_sample": g["score"] / (g["score"] + g["update"])}
-
-
 def tm_check() -> dict:
     """Thinking Machines: OPD 1,800 GPU-hours, 32B teacher -> 8B student. The model's GPU-hours for OPD's
     batch shape, and the student tokens 1,800 GPU-hours buy at the model's per-token cost."""
     g = rollout_gpu_s(QWEN3_8B, OPD, teacher=QWEN3_32B)
     per_token = sum(g.values()) / OPD.resp_tokens()
     return {"gpu_h": sum(g.values()) / 3600, "tokens_for_1800": 1800 * 3600 / per_token, "per_token_us": per_token * 1e6}
+
+
+def phase_seconds(student: Shape, r: Rollouts, gpus: dict, teacher: Shape | None = None, gpu: Gpu = H100,
+                  engine: int = 1) -> dict:
+    """Wall seconds per phase of one synchronous step when each phase has `gpus[phase]` GPUs to itself."""
+    seq = r.prompt_len + r.resp_len
+    dec = decode(student, r.prompt_len + r.resp_len / 2, engine, gpu)
+    out = {"sample": r.seqs * r.resp_len * dec["gpu_s_per_token"] / gpus["sample"]}
+    scorer = teacher or student
+    out["score"] = r.seqs * seq * prefill_gpu_s(scorer, seq / 2, gpu) / gpus["score"]
+    out["update"] = r.seqs * seq * train_gpu_s(student, seq / 2, gpu) / gpus["update"]
+    return out
+
+
+# marin#6218 OPD base cell, as published: 64 prompts x 8, generation cap 1,024, 2 nodes x 4 A100-64GB, teacher
+# Qwen3-32B on vLLM TP2, student Qwen3-1.7B with 4 vLLM engines TP1; 1,461 s a step, 95.7% teacher scoring,
+# generate 8-24 s, train 38-91 s. Prompt and mean answer lengths are assumptions (gsm8k; answers under the cap).
+MARIN_OPD = Rollouts(steps=1, prompts=64, samples=8, prompt_len=256, resp_len=512)
+MARIN_OPD_PUBLISHED = {"step": 1461.0, "score_share": 0.957, "sample": (8, 24), "update": (38, 91)}
+# marin#8653 Qwen3-235B-A22B GRPO, as published: 256 prompts x 16, 2,048 input + 8,192 generation, 55% of samples
+# at the cap; 8 policy nodes (64 GPUs, FSDP2, EP 1, CPU offload) + 4 engines TP8 (32 GPUs); per-step means:
+# generate 5h26m, policy_train 2h51m, fwd_logprobs 36m37s. Prompt length and uncapped answers' mean are assumptions.
+MARIN_235B = Rollouts(steps=1, prompts=256, samples=16, prompt_len=256,
+                      resp_len=round(0.55 * 8192 + 0.45 * 4096))
+MARIN_235B_PUBLISHED = {"sample": 5 * 3600 + 26 * 60, "update": 2 * 3600 + 51 * 60, "score": 36 * 60 + 37}
+
+
+def marin_as_run() -> dict:
+    opd = phase_seconds(QWEN3_1_7B, MARIN_OPD, {"sample": 4, "score": 2, "update": 4}, teacher=QWEN3_32B,
+                        gpu=A100_64)
+    rl = phase_seconds(QWEN3_235B, MARIN_235B, {"sample": 32, "score": 64, "update": 64}, engine=8)
+    return {"opd": opd, "opd_share": opd["score"] / sum(opd.values()),
+            "opd_teacher_mfu": MFU["dense"]["prefill"] * opd["score"]
+            / (MARIN_OPD_PUBLISHED["step"] * MARIN_OPD_PUBLISHED["score_share"]),
+            "rl": rl, "rl_share": {k: v / sum(rl.values()) for k, v in rl.items()},
+            "rl_published_share": {k: v / sum(MARIN_235B_PUBLISHED.values()) for k, v in MARIN_235B_PUBLISHED.items()}}
 
 
 def slime_check() -> dict:
@@ -425,17 +466,29 @@ def slime_check() -> dict:
 
 
 def t_checks() -> str:
-    m, t, sl = marin_check(), tm_check(), slime_check()
+    m, t, sl = marin_as_run(), tm_check(), slime_check()
+    o, pub = m["opd"], MARIN_OPD_PUBLISHED
+    teacher_pub = pub["step"] * pub["score_share"]
+    rl, rlp = m["rl"], MARIN_235B_PUBLISHED
     rl8 = rollout_gpu_s(QWEN3_8B, RL, relogprob=True)
     opd8 = rollout_gpu_s(QWEN3_8B, OPD, teacher=QWEN3_32B)
     per_rl = sum(rl8.values()) / RL.resp_tokens()
     per_opd = sum(opd8.values()) / OPD.resp_tokens()
     rows = [
-        ["teacher scoring share of an OPD step, 32B teacher -> 1.7B student", "90-97% (marin#6218, NOTES.md)",
-         f"{m['share']:.0%} of sample + score + update; {m['share_no_sample']:.0%} of score + update",
-         f"with sampling in the step, 90% needs a teacher MFU of {m['mfu_needed']:.0%} (assumed "
-         f"{MFU['dense']['prefill']:.0%}); with sampling on other workers the model is "
-         f"{(0.90 - m['share_no_sample']) * 100:.0f} points under 90%"],
+        ["marin#6218 OPD as run: 32B teacher -> 1.7B student, 8 A100-64GB (teacher on 2)",
+         f"teacher scoring {pub['score_share']:.1%} of {pub['step']:,.0f} s ({teacher_pub:,.0f} s); generate "
+         f"{pub['sample'][0]}-{pub['sample'][1]} s; train {pub['update'][0]}-{pub['update'][1]} s",
+         f"{m['opd_share']:.0%}: teacher {o['score']:.0f} s, generate {o['sample']:.0f} s, train {o['update']:.0f} s",
+         f"share within {(pub['score_share'] - m['opd_share']) * 100:.0f} points, but every phase is slower than "
+         f"modelled: the teacher {teacher_pub / o['score']:.0f}x ({m['opd_teacher_mfu']:.1%} MFU), generation "
+         f"{pub['sample'][0] / o['sample']:.1f}-{pub['sample'][1] / o['sample']:.1f}x, training "
+         f"{pub['update'][0] / o['update']:.1f}-{pub['update'][1] / o['update']:.1f}x"],
+        ["marin#8653 GRPO as run: Qwen3-235B-A22B, 96 H100 (32 for generation)",
+         "generate / logprobs / train: " + " / ".join(f"{m['rl_published_share'][k]:.0%}" for k in ("sample", "score", "update"))
+         + f" of {sum(rlp.values()) / 3600:.1f} h",
+         " / ".join(f"{m['rl_share'][k]:.0%}" for k in ("sample", "score", "update")) + f" of {sum(rl.values()) / 3600:.1f} h",
+         "generation is the largest phase in both; the published phases take "
+         + " / ".join(f"{rlp[k] / rl[k]:.0f}x" for k in ("sample", "score", "update")) + " the model's time"],
         ["GLM-4.5 RL on H100s", "64 H100, TP8 PP4 CP2 EP16, CPU Adam (slime's GLM-4.5 example); 256 H100 is its "
          "GLM-5.2 744B example", f"Adam state needs {sl['adam_gpus']} GPUs; bf16 weights + grads "
          f"{sl['offload_gpus']}", "64 fits only with Adam offloaded to the CPU, which is what slime does"],
@@ -458,9 +511,6 @@ def t_derived() -> str:
     ctx, seq = r.prompt_len + r.resp_len / 2, (r.prompt_len + r.resp_len) / 2
     d = decode(s, ctx, engine_gpus(s))
     pf, tr = prefill_gpu_s(s, seq), train_gpu_s(s, seq)
-    m = marin_check()
-    g = rollout_gpu_s(QWEN3_1_7B, OPD, teacher=QWEN3_32B)
-    mfu_sns = MFU["dense"]["prefill"] * g["score"] / (9 * g["update"])  # teacher MFU giving 90% of score + update
     flop_ratio = QWEN3_32B.fwd_flops(seq) / (3 * QWEN3_1_7B.fwd_flops(seq))
     full = {n: b for n, b, _ in payloads(s.vocab)}
     merge_bytes = (N_EXPERTS + 1) * GLM45.weight_bytes()
@@ -483,7 +533,6 @@ def t_derived() -> str:
         ["GLM-4.5: ten teachers resident (GPUs); one merge candidate's reads (base + ten experts)",
          f"{N_EXPERTS * teacher_gpus(GLM45)}; {merge_bytes / 1e12:.1f} TB in {merge_bytes / DISK_BW / 60:.0f} min"],
         ["32B forward / 1.7B forward + backward, FLOPs per token", f"{flop_ratio:.1f}"],
-        ["marin: teacher MFU for 90% with / without sampling in the step", f"{m['mfu_needed']:.0%} / {mfu_sns:.0%}"],
         ["GLM-5.2 (744B): GPUs to hold mixed-precision Adam state",
          f"{math.ceil(glm52_total * TRAIN_STATE_BYTES / (HBM_BYTES * MEM_FRACTION))}"],
         ["lab: fp32 weights; fp32 KV per token",
