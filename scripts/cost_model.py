@@ -34,6 +34,7 @@ MFU = {                    # achieved / peak FLOP/s (assumptions; MoE lower for 
 }
 OPT_BYTES_PER_PARAM = 30   # AdamW step traffic: reads fp32 grad, master, m, v (16 B); writes master, m, v, bf16 copy (14 B)
 TRAIN_STATE_BYTES = 16     # per param resident for mixed-precision Adam: bf16 w + bf16 g + fp32 master, m, v
+HOST_BYTES = 2e12          # host memory per node (DGX H100: 2 TB; assumption)
 DISK_BW = 10e9             # bytes/s a merge worker streams expert weights (NVMe RAID / page cache; assumption)
 
 
@@ -277,7 +278,8 @@ def t_constants() -> str:
         ["MFU MoE: prefill / train / decode FLOP cap", " / ".join(f"{v:.0%}" for v in MFU["moe"].values()), "assumption"],
         ["AdamW step traffic; resident train state", f"{OPT_BYTES_PER_PARAM} B/param; {TRAIN_STATE_BYTES} B/param",
          "mixed precision, fp32 master and moments"],
-        ["merge worker's weight streaming", f"{DISK_BW / 1e9:.0f} GB/s", "assumption"],
+        ["merge worker's weight streaming; host memory per node", f"{DISK_BW / 1e9:.0f} GB/s; {HOST_BYTES / 1e12:.0f} TB",
+         "assumption; DGX H100"],
         ["RL expert run", f"{RL.steps} steps x {RL.prompts} prompts x {RL.samples}, {RL.prompt_len} + {RL.resp_len} tokens",
          "assumption (DAPO/slime-sized)"],
         ["OPD run", f"{OPD.steps} steps x {OPD.prompts} prompts x {OPD.samples}, {OPD.prompt_len} + {OPD.resp_len} tokens",
@@ -363,12 +365,14 @@ def t_payload() -> str:
     for name, b, how in payloads(QWEN3_8B.vocab):
         glm = b if "top" in name or "sampled" in name else b // QWEN3_8B.vocab * GLM45.vocab
         rows.append([name, how, _n(b), _n(glm), _sig(b * st["gen"]) + "B",
-                     f"{b * teacher_rate / 1e9:.2f}", f"{b * teacher_rate / IB_BW:.1%}"])
+                     f"{b * teacher_rate / 1e9:.2f}", f"{b * teacher_rate / IB_BW:.1%}",
+                     f"{b * teacher_rate / NVLINK_BW:.1%}"])
     hid = QWEN3_8B.hidden * 2
     rows.append(["last hidden state, bf16 (NeMo-RL #3978)", "hidden x 2 B", _n(hid), _n(GLM45.hidden * 2),
-                 _sig(hid * st["gen"]) + "B", f"{hid * teacher_rate / 1e9:.2f}", f"{hid * teacher_rate / IB_BW:.1%}"])
+                 _sig(hid * st["gen"]) + "B", f"{hid * teacher_rate / 1e9:.2f}", f"{hid * teacher_rate / IB_BW:.1%}",
+                 f"{hid * teacher_rate / NVLINK_BW:.1%}"])
     return _table(["teacher output", "bytes", "B / token, vocab 151,936 (Qwen3)", "B / token, vocab 151,552 (GLM-4.5)",
-                   "one 8B OPD step", "GB/s out of one 8B teacher GPU", "of its 400 Gb/s NIC"], rows)
+                   "one 8B OPD step", "GB/s out of one 8B teacher GPU", "of its 400 Gb/s NIC", "of its NVLink"], rows)
 
 
 def stages(s: Shape) -> list[dict]:
