@@ -391,13 +391,14 @@ def stages(s: Shape) -> list[dict]:
                 "gpu_h": SEARCH_TRIALS * (score_one + eng * merge_s) / 3600, "gpus": workers * eng, "actors": "-",
                 "split": {"merge": SEARCH_TRIALS * eng * merge_s, "score": SEARCH_TRIALS * score_one}})
     opd = rollout_gpu_s(s, OPD, teacher=s)
-    tot = sum(opd.values())
     gpus = 32 if not s.moe else 256
     tg = teacher_gpus(s)
-    need = gpus * opd["score"] / tot                 # GPUs' worth of scoring work at this job size
-    held = max(N_EXPERTS * tg, math.ceil(need / tg) * tg)  # every teacher resident at least once
-    out.append({"stage": "OPD consolidation", "gpu_h": tot / 3600, "gpus": max(gpus, held + eng),
-                "actors": f"{held // tg} ({tg} GPU{'s' if tg > 1 else ''} each; {need / held:.0%} busy)",
+    held = max(N_EXPERTS * tg, math.ceil(gpus * opd["score"] / sum(opd.values()) / tg) * tg)
+    gpus = max(gpus, held + eng)
+    # teachers on their own GPUs, sampling and update on the rest, overlapped: the slower side sets the wall
+    wall = max(opd["score"] / held, (opd["sample"] + opd["update"]) / (gpus - held))
+    out.append({"stage": "OPD consolidation", "gpu_h": gpus * wall / 3600, "gpus": gpus,
+                "actors": f"{held // tg} ({tg} GPU{'s' if tg > 1 else ''} each; {opd['score'] / (held * wall):.0%} busy)",
                 "split": opd})
     test = TEST_MODELS * sum(rollout_gpu_s(s, EVAL, trains=False).values())
     out.append({"stage": f"test scoring ({TEST_MODELS} models)", "gpu_h": test / 3600, "gpus": workers * eng,
@@ -526,6 +527,9 @@ def t_derived() -> str:
         rows.append([f"{shape.name}: expert RL's share of all GPU-hours; OPD / expert RL",
                      f"{st[0]['gpu_h'] / tot:.0%}; {st[2]['gpu_h'] / st[0]['gpu_h']:.1%}"])
     rows += [
+        ["OPD consolidation, compute / reserved GPU-hours (teachers idle between requests): 8B; GLM-4.5",
+         "; ".join(f"{sum(rollout_gpu_s(m, OPD, teacher=m).values()) / 3600:,.0f} / {stages(m)[2]['gpu_h']:,.0f}"
+                   for m in (QWEN3_8B, GLM45))],
         ["8B decode: achieved MFU; GPU time per token against a prefill / a training token",
          f"{d['flops_per_token'] / d['gpu_s_per_token'] / H100_BF16_FLOPS:.1%}; "
          f"{d['gpu_s_per_token'] / pf:.1f}x / {d['gpu_s_per_token'] / tr:.1f}x"],
