@@ -280,6 +280,8 @@ def t_constants() -> str:
          "mixed precision, fp32 master and moments"],
         ["merge worker's weight streaming; host memory per node", f"{DISK_BW / 1e9:.0f} GB/s; {HOST_BYTES / 1e12:.0f} TB",
          "assumption; DGX H100"],
+        ["lab OPD step, measured: sample / score / update", " / ".join(f"{v:.0f} ms" for v in LAB_MS.values()),
+         LAB_MS_SOURCE],
         ["RL expert run", f"{RL.steps} steps x {RL.prompts} prompts x {RL.samples}, {RL.prompt_len} + {RL.resp_len} tokens",
          "assumption (DAPO/slime-sized)"],
         ["OPD run", f"{OPD.steps} steps x {OPD.prompts} prompts x {OPD.samples}, {OPD.prompt_len} + {OPD.resp_len} tokens",
