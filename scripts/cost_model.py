@@ -19,10 +19,10 @@ from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
 
-# ---------------------------------------------------------------- hardware: every constant is an assumption
+# ---------------------------------------------------------------- hardware: spec-sheet values, or assumptions (each says)
 H100_BF16_FLOPS = 989e12   # dense bf16 tensor-core peak, H100 SXM spec sheet (no sparsity)
 HBM_BW = 3.35e12           # HBM3 bytes/s, H100 SXM spec sheet
-HBM_BYTES = 80e9           # per GPU
+HBM_BYTES = 80e9           # per GPU, H100 SXM spec sheet
 NVLINK_BW = 450e9          # bytes/s one direction per GPU (NVLink 4: 900 GB/s both directions)
 IB_BW = 50e9               # bytes/s per GPU: one 400 Gb/s NDR NIC per GPU, 8 per node (DGX H100 layout)
 GPUS_PER_NODE = 8
@@ -169,7 +169,7 @@ N_EXPERTS = 10
 PAYLOAD_K = (64, 256)
 
 
-# ---------------------------------------------------------------- per-token costs on an H100
+# ---------------------------------------------------------------- per-token costs (H100 unless told)
 def _mfu(s: Shape, phase: str) -> float:
     return MFU["moe" if s.moe else "dense"][phase]
 
