@@ -94,3 +94,17 @@ def place(model, device: torch.device, dtype: torch.dtype):
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return model
+
+
+def fp32_state(model) -> dict:
+    """`model`'s state dict as a float32 reader on the CPU loads it back from disk: the weights a content hash
+    is taken of, so a bf16 or GPU run's hash is the one its saved model gets when it is read back. The
+    state dict itself (no copy) for a float32 model on the CPU."""
+    return {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
+            for k, v in model.state_dict().items()}
+
+
+def dtype_tag(dtype: torch.dtype) -> str:
+    """'' for float32, else '-<dtype>': appended to a float32 content hash where it keys scores (the eval
+    cache), since a bf16 copy of the same weights scores a little differently."""
+    return "" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch.")
