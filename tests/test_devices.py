@@ -228,6 +228,22 @@ def test_cuda_without_cuda_exits_2_before_anything_is_written(tmp_path):
     assert "device" in r.stderr and "Traceback" not in r.stderr and not out.exists()
 
 
+def test_where_a_run_ran_is_not_part_of_its_identity():
+    """A spec or base recorded on a GPU is the same job on a CPU; a base's build key is unchanged by the
+    new fields at their defaults (float32 here), so bases built before them are reused."""
+    from opd.expert.spec import ExpertSpec, same_spec
+    from opd.lab.base import DEFAULT_SPEC, load_base_spec, same_training
+
+    spec = ExpertSpec(capability="count")
+    assert same_spec({**spec.model_dump(mode="json"), "device": "cuda:3"}, spec)
+    assert not same_spec({**spec.model_dump(mode="json"), "dtype": "bfloat16"}, spec)
+    base = load_base_spec(DEFAULT_SPEC)
+    fields = base.training_fields()
+    assert "device" not in fields and "dtype" not in fields
+    assert same_training(fields, base)
+    assert not same_training(load_base_spec(DEFAULT_SPEC, dtype="bfloat16").training_fields(), base)
+
+
 def test_device_name_field():
     from pydantic import BaseModel, ValidationError
 
@@ -239,18 +255,13 @@ def test_device_name_field():
         S(device="tpu")
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
 @pytest.mark.gpu
-@gpu
-def test_gspo_and_opd_steps_on_cuda_in_bf16(pico_model, tokenizer):
-    """The same steps on the GPU in bf16 (run by scripts/gpu_check.sh on a lent machine)."""
-    from opd.expert.settings import GSPOConfig
-    from opd.expert.trainer import gspo_step
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gspo_opd_and_merge_scoring_on_cuda_in_bf16():
+    """One GSPO step, one OPD step (sampled and full) and one merge-candidate scoring on the GPU in bf16
+    (scripts/gpu_check.py --steps; scripts/gpu_check.sh runs it on a lent machine)."""
+    import subprocess
 
-    model = place(pico_model, resolve_device("cuda"), torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    st = gspo_step(model, opt, None, _gspo_kept(model, tokenizer), GSPOConfig(updates_per_batch=2),
-                   tokenizer.pad_token_id)
-    assert st["trained_tokens"] > 0 and st["loss"] == st["loss"]
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--steps"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0 and r.stdout.count("PASS") == 3, r.stdout + r.stderr
