@@ -265,3 +265,27 @@ def test_gspo_opd_and_merge_scoring_on_cuda_in_bf16():
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--steps"], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert r.returncode == 0 and r.stdout.count("PASS") == 3, r.stdout + r.stderr
+
+
+def test_a_bf16_expert_has_the_hash_a_float32_reader_computes(trained_pico_dir, tmp_path):
+    """An expert trained with dtype: bfloat16 records the content hash the merge computes when it reads
+    the saved expert back in float32 (opd.merge.recipe.load_inputs), and the base hash of the float32 base."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from opd.expert.run import run_expert
+    from opd.expert.spec import ExpertSpec
+    from opd.io import state_dict_hash
+
+    spec = ExpertSpec(capability="count", base=str(trained_pico_dir), steps=1, eval_every=1, eval_limit=8,
+                      threads=1, dtype="bfloat16", score_capabilities=["count"], report_to="none",
+                      gspo={"prompts_per_step": 2, "group_size": 2, "updates_per_batch": 1, "lr": 1e-3})
+    out = tmp_path / "experts" / "count"
+    run_expert(spec, out=out)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["train"]["dtype"] == "bfloat16" and m["train"]["device"] == "cpu"
+    assert m["base"]["content_hash"] == state_dict_hash(AutoModelForCausalLM.from_pretrained(trained_pico_dir,
+                                                                                              dtype=torch.float32))
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert state_dict_hash(back) == m["content_hash"]
