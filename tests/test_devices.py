@@ -289,3 +289,23 @@ def test_a_bf16_expert_has_the_hash_a_float32_reader_computes(trained_pico_dir, 
                                                                                               dtype=torch.float32))
     back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert state_dict_hash(back) == m["content_hash"]
+
+
+def test_scorer_in_another_dtype_scores_a_copy_and_leaves_the_merge_base(pico_model, tokenizer):
+    """The merge search's scorer on `device` in `dtype`: merged state dicts stay on the CPU in float32 and
+    are copied into the scorer's own model; the base the merges read is left as it was."""
+    from opd.merge.search import Scorer
+    from opd.merge.strategies import MergeInputs
+    from opd.weights.merge import merge_keys
+
+    inputs = MergeInputs(Path("."), pico_model, tokenizer, "", {}, {}, {}, ["count"])
+    before = {k: v.clone() for k, v in pico_model.state_dict().items()}
+    scorer = Scorer(inputs, batch_size=8, device="cpu", dtype=torch.bfloat16)
+    sd = {k: v + 0.01 for k, v in merge_keys(pico_model.state_dict()).items()}  # a "merged" candidate
+    with OnModelDevice():
+        scorer.score(sd, "val", limit=4)
+    assert next(scorer.model.parameters()).dtype is torch.bfloat16 and scorer.model is not pico_model
+    emb = "model.embed_tokens.weight"
+    torch.testing.assert_close(scorer.model.state_dict()[emb].float(), sd[emb].to(torch.bfloat16).float())
+    assert all(torch.equal(v, before[k]) for k, v in pico_model.state_dict().items())
+    assert Scorer(inputs, batch_size=8).model is pico_model  # CPU float32: the base model itself, as before
