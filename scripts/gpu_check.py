@@ -1,8 +1,10 @@
-"""SGLang smoke test for a lent GPU machine: launch a server on a model dir, generate with logprobs,
-score, compare with the embedded engine, update weights. Prints SKIP with a reason when it cannot run.
+"""Checks for a lent GPU machine. Each prints PASS, FAIL or SKIP with a reason when it cannot run.
 
-    python scripts/gpu_check.py BASE_DIR [--port 30123] [--server-args "--attention-backend triton"]
+    python scripts/gpu_check.py --steps    # one GSPO step, one OPD step, one merge-candidate scoring on cuda in bf16
+    python scripts/gpu_check.py BASE_DIR [--port 30123] [--server-args "--attention-backend triton"]   # SGLang smoke
 
+The steps run on pico models built in the process (seconds); the SGLang smoke test launches a server on
+a model dir, generates with logprobs, scores, compares with the embedded engine and updates weights.
 Exit code: 0 passed or skipped, 1 failed.
 """
 
@@ -22,13 +24,130 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_steps() -> int:
+    """One GSPO step, one OPD step (sampled and full estimators) and one merge-candidate scoring on `cuda` in
+    bf16, each on pico models: the batches must be built on the model's device and the weights must move."""
+    import copy
+    import random
+
+    import torch
+
+    if not torch.cuda.is_available():
+        for step in ("gspo step", "opd step", "merge scoring"):
+            print(f"SKIP {step}: no CUDA device (torch {torch.__version__})")
+        return 0
+    from opd.devices import place, resolve_device, resolve_dtype
+    from opd.lab.model import build_model
+    from opd.lab.pico import PICO
+    from opd.lab.tokenizer import build_char_tokenizer
+    from opd.rollout import SamplingParams, get_engine
+
+    device = resolve_device("cuda")
+    dtype = resolve_dtype("auto", device)
+    tok = build_char_tokenizer()
+    base = build_model(PICO, tok, seed=0)
+
+    def on_gpu(m):
+        return place(copy.deepcopy(m), device, dtype)
+
+    def moved(model, before: dict) -> bool:
+        return any(not torch.equal(p, before[k]) for k, p in model.state_dict().items())
+
+    failures = []
+
+    def check(step: str, fn) -> None:
+        try:
+            print(f"PASS {step} ({device}, {str(dtype).removeprefix('torch.')}): {fn()}")
+        except Exception as e:
+            failures.append(step)
+            print(f"FAIL {step}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    def gspo() -> str:
+        from opd.expert.settings import GSPOConfig
+        from opd.expert.trainer import gspo_step
+
+        model = on_gpu(base)
+        engine = get_engine("embedded", model=model, tokenizer=tok)
+        groups = engine.generate(["12+3=", "7-2="], 4, SamplingParams(temperature=1.0, max_new_tokens=4, seed=0))
+        kept = [(g, [float(i % 2) for i in range(len(g))]) for g in groups]
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        st = gspo_step(model, opt, on_gpu(base).eval(), kept, GSPOConfig(updates_per_batch=2, kl_coef=0.1),
+                       tok.pad_token_id)
+        assert st["loss"] == st["loss"] and moved(model, before), "no finite loss or the weights did not move"
+        return f"loss {st['loss']:.4f}, {st['trained_tokens']:.0f} tokens"
+
+    def opd() -> str:
+        from opd.distill.batch import build_batch, sample_batch
+        from opd.distill.config import DistillConfig
+        from opd.distill.loop import StudentHidden, opd_step
+        from opd.distill.routing import resolve_routes
+        from opd.distill.teacher_bank import TeacherBank
+        from opd.distill.teachers import embedded_teacher
+
+        torch.manual_seed(1)
+        teachers = {}
+        for i, cap in enumerate(["count", "rev"]):
+            m = copy.deepcopy(base)
+            for p in m.parameters():
+                p.data += 0.05 * torch.randn_like(p)
+            teachers[f"t{i}"] = embedded_teacher(f"t{i}", cap, on_gpu(m), tok)
+        routes = resolve_routes({n: t.capability for n, t in teachers.items()})
+        out = []
+        for estimator in ("sampled", "full"):
+            student = on_gpu(base)
+            engine = get_engine("embedded", model=student, tokenizer=tok)
+            items, groups = sample_batch(engine, routes, {"count": 1.0, "rev": 1.0}, random.Random(0), prompts=4,
+                                         group=2, temperature=1.0, max_new_tokens=4, seed=0)
+            bank = TeacherBank(teachers, sorted(teachers)) if estimator == "full" else None
+            batch = build_batch(student, items, groups, teachers, routes, tok.pad_token_id, bank=bank,
+                                old_lp=estimator == "sampled")
+            before = {k: v.clone() for k, v in student.state_dict().items()}
+            opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+            st = opd_step(StudentHidden(student), opt, batch, DistillConfig(estimator=estimator), teachers)
+            assert st["loss"] == st["loss"] and moved(student, before), f"{estimator}: no finite loss or no update"
+            out.append(f"{estimator} loss {st['loss']:.4f}")
+        return ", ".join(out)
+
+    def scoring() -> str:
+        from pathlib import Path
+
+        from opd.merge.search import Scorer
+        from opd.merge.strategies import MergeInputs
+        from opd.weights.merge import Candidate, merge_in_memory, merge_keys
+
+        experts = {}
+        for i in range(2):
+            m = copy.deepcopy(base)
+            for p in m.parameters():
+                p.data += 0.02 * torch.randn_like(p)
+            experts[f"e{i}"] = {k: v.detach().clone() for k, v in merge_keys(m.state_dict()).items()}
+        inputs = MergeInputs(Path("."), copy.deepcopy(base), tok, "", {}, {}, experts, ["count", "rev"])
+        cand = Candidate(strategy="linear", per_model={e: {"weight": 0.5} for e in experts})
+        merged = merge_in_memory(cand, inputs.base_sd, experts)  # on the CPU in float32, as the search keeps it
+        scorer = Scorer(inputs, batch_size=64, device=device, dtype=dtype)
+        scores = scorer.score(merged, "val", limit=16)
+        p = next(scorer.model.parameters())
+        assert (p.device, p.dtype) == (device, dtype), f"the scorer's model is on {p.device} in {p.dtype}"
+        assert inputs.base_model.device.type == "cpu", "the merge base left the CPU"
+        return ", ".join(f"{c} {s.score:.3f}" for c, s in scores.items())
+
+    check("gspo step", gspo)
+    check("opd step", opd)
+    check("merge scoring", scoring)
+    return 1 if failures else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("base_dir", nargs="?", default=None, help="an HF model dir with its tokenizer (the lab base)")
+    p.add_argument("--steps", action="store_true", help="the device steps (GSPO, OPD, merge scoring), not SGLang")
     p.add_argument("--port", type=int, default=None)
     # The lab model has head_dim 32, which some default attention backends do not build for.
     p.add_argument("--server-args", default="--attention-backend triton --mem-fraction-static 0.2 --disable-cuda-graph")
     a = p.parse_args()
+    if a.steps:
+        return device_steps()
 
     import torch
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One short check for a lent GPU machine: GPU tests, Triton kernel bench, SGLang smoke test.
+# One short check for a lent GPU machine: GPU tests, one GSPO step, one OPD step and one merge-candidate
+# scoring on cuda in bf16, Triton kernel bench, SGLang smoke test.
 # Usage: scripts/gpu_check.sh [BASE_DIR]   (BASE_DIR: an HF model dir with tokenizer, e.g. the lab base)
 # Each step prints SKIP with a reason when it cannot run; the exit code is 1 if any step failed.
 set -u
@@ -26,6 +27,9 @@ PY
 
 echo "== pytest -m gpu"
 python -m pytest -m gpu -q -rs tests/ || status=1
+
+echo "== device steps (cuda, bf16)"
+timeout 300 python scripts/gpu_check.py --steps || status=1
 
 echo "== kernel bench (CUDA)"
 if python -c "import sys, opd_kernels; sys.exit(0 if opd_kernels.triton_available() else 1)"; then

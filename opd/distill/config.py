@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
 from opd.config import load_yaml_model
+from opd.devices import DeviceName, DtypeName
 from opd.distill.ahead import Worker
 from opd.errors import OpdError
 from opd.rl.distributed import DeepSpeedFragment
@@ -165,8 +166,12 @@ class DistillRun(BaseModel):
                                             "that serves it (GPU machines): it scores there, its weights are not loaded")
     out: str | None = Field(None, description="output directory (default runs/distill/<name>)")
     threads: int = Field(1, gt=0, description="torch CPU threads")
-    device: str = Field("cpu", description="torch device of the student and the in-process teachers (e.g. cuda; "
-                        "under DeepSpeed 'cuda' is each rank's own GPU)")
+    device: DeviceName = Field("auto", description="torch device of the student and the in-process teachers: 'auto' "
+                               "(the GPU when there is one, else the CPU), 'cpu', 'cuda' (under DeepSpeed each "
+                               "rank's own GPU) or 'cuda:N'; not part of the run's identity")
+    dtype: DtypeName = Field("auto", description="the student's and the in-process teachers' weights: 'float32', "
+                             "'bfloat16' (the update then steps bf16 weights) or 'auto' (bfloat16 on a GPU that "
+                             "computes in it, else float32); distill.inference_dtype may sample in another")
     deepspeed: DeepSpeedFragment = Field(
         None, description="DeepSpeed config fragment merged over ZeRO-2 defaults (e.g. {zero_optimization: {stage: 2}}; "
         "{} for the defaults): the updates run under a ZeRO engine; None = plain torch. Launch several ranks with "

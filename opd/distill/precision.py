@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from opd.devices import bf16_supported
+
 
 def _seconds(dtype: torch.dtype, width: int, device: torch.device, repeats: int = 5) -> float:
     a = torch.randn(256, width, device=device).to(dtype)
@@ -37,7 +39,7 @@ def fastest_inference_dtype(width: int, device: str = "cpu") -> torch.dtype:
     """bfloat16 where a (256, width) @ (width, 4 width) product runs faster in it than in float32 on
     `device` (best of 5 each), else float32. Cached per (width, device): the answer is the machine's."""
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if dev.type == "cuda" and not bf16_supported(dev):
         return torch.float32
     return torch.bfloat16 if _seconds(torch.bfloat16, width, dev) < _seconds(torch.float32, width, dev) else torch.float32
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from opd.devices import fp32_state, place, resolve_device, resolve_dtype
 from opd.distill.bar import opd_bar
 from opd.distill.config import DistillRun
 from opd.distill.loop import DistillState, distill
@@ -21,10 +21,10 @@ from opd.rollout import get_engine
 from opd.tracking import Tracker, open_tracker, tracking_dir
 
 
-def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = None, device: str = "cpu"
-                  ) -> tuple[dict[str, Teacher], dict[str, dict]]:
-    """Each expert as a frozen in-process teacher (or, when `servers` names it, a client of the SGLang
-    server at that URL), and its manifest (as a dict) by teacher name."""
+def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = None, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[dict[str, Teacher], dict[str, dict]]:
+    """Each expert as a frozen in-process teacher on `device` in `dtype` (or, when `servers` names it, a
+    client of the SGLang server at that URL), and its manifest (as a dict) by teacher name."""
     from transformers import AutoModelForCausalLM
 
     from opd.manifest import load_manifest, resolve_expert
@@ -39,7 +39,7 @@ def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = 
         if url:
             teachers[path.name] = Teacher(path.name, m.capability, get_engine("sglang", base_url=url, tokenizer=tokenizer))
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").to(device)
+            model = place(AutoModelForCausalLM.from_pretrained(path, dtype="float32"), torch.device(device), dtype)
             teachers[path.name] = embedded_teacher(path.name, m.capability, model, tokenizer)
         manifests[path.name] = {"path": str(path), **m.model_dump(mode="json")}
     return teachers, manifests
@@ -69,7 +69,9 @@ def init_student(run: DistillRun, teachers: dict[str, Teacher], manifests: dict[
     if run.student_merge is not None:
         cand = Candidate.model_validate(run.student_merge)
         base_sd = {k: v.detach().clone() for k, v in merge_keys(model.state_dict()).items()}
-        sds = {n: {k: v.cpu() for k, v in merge_keys(t.model.state_dict()).items()} for n, t in teachers.items()}
+        # the teachers may sit on a GPU in bf16; the merge runs on the CPU in float32, as the base here
+        sds = {n: {k: v.to("cpu", torch.float32) for k, v in merge_keys(t.model.state_dict()).items()}
+               for n, t in teachers.items()}
         merged = merge_candidate(cand, run.base, {n: manifests[n]["path"] for n in teachers}, base_sd, sds)
         model.load_state_dict(merged, strict=False)  # tied lm_head follows the embedding
     return model, tok
@@ -96,14 +98,12 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
                       "to a model directory")
     if run.student != "base":
         require_model_dir(run.student, "student", "give a model directory (e.g. runs/merge/<name>/best) or 'base'")
-    wrap, rank, world, device = None, 0, 1, run.device
+    wrap, rank, world = None, 0, 1
     if run.deepspeed is not None:
         from opd.rl.distributed import deepspeed_wrap, init_distributed
 
         rank, world = init_distributed()
         wrap = deepspeed_wrap(run.distill.grad_clip, run.deepspeed)
-        if device == "cuda":  # one GPU per rank
-            device = f"cuda:{os.environ['LOCAL_RANK']}"
         if rank:
             log = _prefixed(log, f"[rank {rank}] ")
     tok0 = AutoTokenizer.from_pretrained(run.base)
@@ -112,16 +112,21 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     unknown = sorted(set(run.teacher_servers) - {Path(t).name for t in run.teachers})
     if unknown:
         raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {run.teachers}")
-    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, device)
+    # after the process group: 'auto' and 'cuda' are each rank's own GPU (LOCAL_RANK)
+    device = resolve_device(run.device)
+    dtype = resolve_dtype(run.dtype, device)
+    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, device, dtype)
     check_same_architecture(teachers, student=AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run.base)))
     student, tok = init_student(run, teachers, manifests)
-    student.to(device)
-    init_hash = state_dict_hash(student)
+    init_hash = state_dict_hash(student)  # of the float32 init, before `place` casts it
+    place(student, device, dtype)
     routes = resolve_routes({n: t.capability for n, t in teachers.items()}, run.distill.routes)
     caps = list(routes)
     refs = teacher_references(routes, manifests)
     ckpt = out.parent / f".{out.name}.ckpt" / "state.pt"
-    done = _already_written(out, run, init_hash, manifests, evaluate)
+    # the run as it ran: its dtype resolved ('auto' is float32 on a CPU, as every run was before the field)
+    recorded = {**run.model_dump(mode="json"), "dtype": str(dtype).removeprefix("torch.")}
+    done = _already_written(out, recorded, init_hash, manifests, evaluate)
     if done is not None and not fresh:
         # Same run, same inputs: nothing to do (also the case of a run killed after writing its student
         # and removing its checkpoint, which would otherwise train it all again from step 0).
@@ -137,6 +142,8 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     def screen(m) -> dict[str, float]:
         return {c: s.score for c, s in lm_eval_score(m, tok, caps, "val", limit=run.distill.eval_limit).items()}
 
+    log(f"student and teachers on {device} in {str(dtype).removeprefix('torch.')}")
+
     # rank 0 logs the curves, as it writes the student
     tracker = open_tracker(run.distill.report_to, tracking_dir(out), run.name, run.model_dump(mode="json")) \
         if rank == 0 else Tracker()
@@ -150,8 +157,8 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         log(f"keeping step {state.best_step} (min val retention {state.best_min_retention:.3f})")
         student.load_state_dict(state.best_model)
     manifest = {
-        "kind": "distilled", "name": run.name, "content_hash": state_dict_hash(student),
-        "run": run.model_dump(mode="json"), "routes": routes, "student_init_hash": init_hash,
+        "kind": "distilled", "name": run.name, "content_hash": state_dict_hash(fp32_state(student)),
+        "run": recorded, "routes": routes, "student_init_hash": init_hash,
         "inputs": {"base": run.base, "teachers": {n: {"path": m["path"], "content_hash": m["content_hash"],
                                                       "capability": m["capability"]} for n, m in manifests.items()}},
         "train": {"steps": state.step, "seconds": state.elapsed, "gen_tokens": state.gen_tokens, "ranks": world,
@@ -169,7 +176,7 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     return manifest
 
 
-def _already_written(out: Path, run: DistillRun, init_hash: str, manifests: dict[str, dict], evaluate: bool
+def _already_written(out: Path, run: dict, init_hash: str, manifests: dict[str, dict], evaluate: bool
                      ) -> dict | None:
     """The manifest in `out` when this run wrote it: same settings, student init and teachers, and
     scored on val (its final record has a retention) exactly when this run scores."""
@@ -178,7 +185,7 @@ def _already_written(out: Path, run: DistillRun, init_hash: str, manifests: dict
         return None
     m = json.loads(mf.read_text())
     teachers = {n: t.get("content_hash") for n, t in m.get("inputs", {}).get("teachers", {}).items()}
-    same = (_settings(m.get("run")) == _settings(run.model_dump(mode="json")) and m.get("student_init_hash") == init_hash
+    same = (_settings(m.get("run")) == _settings(run) and m.get("student_init_hash") == init_hash
             and teachers == {n: t["content_hash"] for n, t in manifests.items()}
             and ("min_retention" in m.get("final", {})) == evaluate)
     return m if same else None
@@ -186,7 +193,9 @@ def _already_written(out: Path, run: DistillRun, init_hash: str, manifests: dict
 
 def _settings(run: dict | None) -> dict | None:
     """A run's recorded fields less where its curves go (`distill.report_to`, which changes no weights
-    and which manifests written before it existed lack)."""
+    and which manifests written before it existed lack) and where it ran (`device`); a run recorded
+    before `dtype` existed ran in float32."""
     if not run:
         return run
-    return {**run, "distill": {k: v for k, v in run.get("distill", {}).items() if k != "report_to"}}
+    return {"dtype": "float32", **{k: v for k, v in run.items() if k != "device"},
+            "distill": {k: v for k, v in run.get("distill", {}).items() if k != "report_to"}}

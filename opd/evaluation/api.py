@@ -142,6 +142,8 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
     lm_task.tqdm = functools.partial(tqdm, disable=True)  # per-document context bars
     was_training = model.training
     model.eval()
+    # A model object is scored where it is, in its own dtype: HFLM takes its device from `model.device` and
+    # never moves it (lm_eval/models/huggingface.py, HFLM.__init__: a pre-initialized model sets gpus = 0)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     # lm-eval's per-request bars would drown opd's own progress display
     lm.generate_until = functools.partial(HFLM.generate_until, lm, disable_tqdm=True)

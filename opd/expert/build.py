@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from opd.capabilities import get_capability
+from opd.devices import dtype_tag, fp32_state, place
 from opd.errors import OpdError
 from opd.evaluation.api import evaluate
 from opd.expert.spec import ExpertSpec
@@ -17,8 +18,9 @@ from opd.manifest import EXPERTS_DIR, ExpertManifest, code_version
 from opd.paths import history_dir, require_model_dir
 
 
-def load_base(path: str | Path):
-    """The base as (model, tokenizer); a clear error when it is missing or not a causal LM."""
+def load_base(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """The base as (model, tokenizer), the model on `device` in `dtype` (read in float32, so a caller hashing
+    the base's own weights hashes them before `place`); a clear error when it is missing or not a causal LM."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     p = require_model_dir(path, "base", "build the lab base with `python scripts/build_base.py` or point "
@@ -36,7 +38,7 @@ def load_base(path: str | Path):
         tok = AutoTokenizer.from_pretrained(p)
     except Exception as e:
         raise OpdError(f"base {p}: could not be loaded ({type(e).__name__}: {e})") from None
-    return model, tok
+    return place(model, torch.device(device), dtype), tok
 
 
 def base_capabilities(base_dir: Path) -> list[str] | None:
@@ -56,9 +58,10 @@ def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash:
                  out: Path, caps: list[str], log=print) -> dict:
     model.load_state_dict(state.best_model)
     model.eval()
-    h = state_dict_hash(model)
+    # the hash of the weights as a float32 reader loads them (the merge does), whatever dtype trained them
+    h = state_dict_hash(fp32_state(model))
     log(f"scoring the kept checkpoint (step {state.best_step}) on {len(caps)} capabilities with lm-eval ...")
-    metrics = score_matrix(model, tok, caps, h)
+    metrics = score_matrix(model, tok, caps, h + dtype_tag(next(model.parameters()).dtype))
     cap = get_capability(spec.capability)
     manifest = {
         "kind": "expert", "name": spec.expert_name, "capability": spec.capability,
@@ -69,7 +72,9 @@ def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash:
         "code_version": code_version(), "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "metrics": metrics,
         "train": {"steps": state.step, "best_step": state.best_step, "best_val_screen": state.best_score,
-                  "seconds": round(state.elapsed, 1), "history": state.history},
+                  "seconds": round(state.elapsed, 1), "history": state.history,
+                  "device": str(next(model.parameters()).device),
+                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
     }
     version_previous(out)
     manifest["version"] = _next_version(out)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from opd.devices import dtype_tag, place, resolve_device, resolve_dtype
 from opd.evaluation.api import evaluate
 from opd.expert.build import base_capabilities, default_out, load_base, write_expert
 from opd.expert.spec import ExpertSpec, same_spec
@@ -28,7 +29,10 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     out = check_output(out, "--out", kind="expert") if out else check_output(default_out(spec), "name", kind="expert")
     base_dir = Path(spec.base)
     model, tok = load_base(base_dir)
-    base_hash = state_dict_hash(model)
+    base_hash = state_dict_hash(model)  # of the float32 weights, before `place` casts them
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    place(model, device, dtype)
     caps = spec.score_capabilities or base_capabilities(base_dir) or [spec.capability]
     if spec.capability not in caps:
         caps = [spec.capability, *caps]
@@ -79,8 +83,8 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
         return {}  # rank 0 scores and writes the expert
     manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print)
     shutil.rmtree(ckpt.parent, ignore_errors=True)
-    base_scores = {c: s.score for c, s in evaluate(load_base(base_dir)[0], tok, caps, "test",
-                                                   model_hash=base_hash).items()}
+    base_scores = {c: s.score for c, s in evaluate(load_base(base_dir, device, dtype)[0], tok, caps, "test",
+                                                   model_hash=base_hash + dtype_tag(dtype)).items()}
     table = Table(title=f"expert {spec.expert_name} (test split, lm-eval)")
     for col in ("capability", "base", "expert", "delta"):
         table.add_column(col, justify="right")

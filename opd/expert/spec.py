@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
+from opd.devices import DeviceName, DtypeName
 from opd.expert.settings import GSPOConfig, GSPORun
 from opd.paths import NAME_PATTERN
 from opd.rl.distributed import DeepSpeedFragment
@@ -42,6 +43,12 @@ class ExpertSpec(BaseModel):
     score_capabilities: list[str] | None = Field(None, description="capabilities for the final matrix; default: the base's")
     deepspeed: DeepSpeedFragment = Field(None, description="DeepSpeed config (e.g. {zero_optimization: {stage: 2}}); None = plain torch")
     threads: int = Field(2, gt=0, description="torch CPU threads")
+    device: DeviceName = Field("auto", description="where the policy trains and samples: 'auto' (the GPU when "
+                               "there is one, else the CPU), 'cpu', 'cuda' (under a launcher, each rank's own "
+                               "GPU) or 'cuda:N'; where it ran is not part of the spec's identity")
+    dtype: DtypeName = Field("auto", description="the policy's weights: 'float32', 'bfloat16' (the optimizer "
+                             "then updates bf16 weights) or 'auto' (bfloat16 on a GPU that computes in it, else "
+                             "float32)")
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP + " (changes no weights: not part "
                                 "of the spec's identity)")
 
@@ -70,10 +77,10 @@ class ExpertSpec(BaseModel):
 def same_spec(stored: dict | None, spec: ExpertSpec) -> bool:
     """Whether a spec recorded in a manifest or checkpoint is `spec`. The stored one is validated
     through today's model first, so a field added since (with its default) changes nothing; nor does
-    where the curves go (`report_to`)."""
+    where the curves go (`report_to`), nor where it ran (`device`: a spec run on a GPU resumes on a CPU)."""
     try:
-        return stored is not None and \
-            ExpertSpec.model_validate(stored).model_copy(update={"report_to": spec.report_to}) == spec
+        return stored is not None and ExpertSpec.model_validate({**stored, "device": "cpu"}).model_copy(
+            update={"report_to": spec.report_to, "device": spec.device}) == spec
     except Exception:
         return False
 

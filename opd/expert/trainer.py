@@ -21,6 +21,7 @@ import torch
 
 from opd.capabilities import get_capability
 from opd.capabilities.rewards import GuardedReward, get_reward
+from opd.devices import model_device
 from opd.expert.settings import GSPOConfig, GSPORun
 from opd.io import atomic_torch_save, readable_checkpoints
 from opd.rl.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
@@ -79,23 +80,28 @@ def _rollout_batch(engine, cap, rng, g: GSPOConfig, run: GSPORun, state: RunStat
 
 
 def gspo_step(model, opt, ref_model, kept, g: GSPOConfig, pad_id: int, backward=None) -> dict:
-    """Updates on one rollout batch; returns the stats GSPO practitioners watch."""
-    rewards = torch.tensor([rw for _, rw in kept], dtype=torch.float32)  # (P, G)
-    order = torch.randperm(rewards.numel())  # shuffled once: minibatches are consecutive rows
+    """Updates on one rollout batch; returns the stats GSPO practitioners watch. Every tensor is built
+    on the model's device (a DeepSpeed engine's: it moved the module there)."""
+    device = model_device(model)
+    rewards = torch.tensor([rw for _, rw in kept], dtype=torch.float32, device=device)  # (P, G)
+    # shuffled once (on the CPU generator, so a CPU and a GPU run draw the same order): minibatches are
+    # consecutive rows
+    order = torch.randperm(rewards.numel()).tolist()
     adv = group_advantages(rewards).reshape(-1)[order]  # (B,)
     rollouts = [r for group, _ in kept for r in group]
     rollouts = [rollouts[i] for i in order]
     # A group's samples share their prompt, which each forward below runs once per group.
-    batch = group_rollouts([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
+    batch = group_rollouts([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id, device)
     cmask, targets = batch.cmask, batch.completion_ids  # (B, Tc)
-    engine_lp = torch.tensor([r.logprobs + [0.0] * (cmask.shape[1] - len(r.logprobs)) for r in rollouts])  # (B, Tc)
+    engine_lp = torch.tensor([r.logprobs + [0.0] * (cmask.shape[1] - len(r.logprobs)) for r in rollouts],
+                             device=device)  # (B, Tc)
     with torch.no_grad():
         ref_lp = token_logprobs(grouped_completion_logits(ref_model, batch), targets) \
             if ref_model is not None else None
     old_lp = None if g.recompute_old_logprobs else engine_lp
     is_w, engine_stats = None, {}
     stats: dict[str, list[float]] = {}
-    for chunk in torch.arange(len(rollouts)).chunk(g.updates_per_batch):
+    for chunk in torch.arange(len(rollouts), device=device).chunk(g.updates_per_batch):
         if old_lp is None:
             # The policy has not moved since the rollout, so the first minibatch's pass, run on
             # through the other rows without gradient, is the trainer's recompute of every old logprob.
@@ -206,6 +212,8 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
     elif optim_state is not None:
         opt.load_state_dict(optim_state)
     policy = getattr(model, "module", model)
+    if ref_model is not None:  # a DeepSpeed engine may have moved the policy onto the local rank's GPU
+        ref_model.to(model_device(model))
     engine = get_engine(run.engine, model=policy, tokenizer=tokenizer, **run.engine_args)
     t0 = time.time() - state.elapsed
     while state.step < run.steps and time.time() - t0 < run.max_minutes * 60:

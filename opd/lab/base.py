@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
 from opd.config import load_yaml_model
+from opd.devices import DeviceName, DtypeName, fp32_state, place, resolve_device, resolve_dtype
 from opd.errors import OpdError
 from opd.io import (
     atomic_dir,
@@ -64,6 +65,10 @@ class BaseSpec(BaseModel):
     eval_limit: int = Field(100, gt=0, description="validation items per capability when screening")
     band: tuple[float, float] = Field((0.12, 0.55), description="target score band for the kept base")
     threads: int = Field(2, gt=0, description="torch CPU threads")
+    device: DeviceName = Field("auto", description="where the base trains: 'auto' (the GPU when there is one, "
+                               "else the CPU), 'cpu', 'cuda' or 'cuda:N' (not part of the build's identity)")
+    dtype: DtypeName = Field("auto", description="the weights while training: 'float32', 'bfloat16' or 'auto' "
+                             "(bfloat16 on a GPU that computes in it, else float32)")
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)
 
     @model_validator(mode="after")
@@ -84,9 +89,13 @@ class BaseSpec(BaseModel):
 
     def training_fields(self) -> dict:
         """The fields that determine the weights (reporting fields excluded): the build cache key."""
-        # threads: how fast, not what (a base built on 1 thread is reused on 2, and resumes there)
-        exclude = {"scored", "report_to", "threads"} | ({"bpe_vocab_size", "bpe_split"} if self.tokenizer == "char" else set())
-        return self.model_dump(mode="json", exclude=exclude)
+        # threads, device: how fast, not what (a base built on 1 thread is reused on 2, and resumes there).
+        # dtype: recorded only where it is not float32, so a build keyed before the field existed keeps its key.
+        exclude = {"scored", "report_to", "threads", "device", "dtype"} | (
+            {"bpe_vocab_size", "bpe_split"} if self.tokenizer == "char" else set())
+        fields = self.model_dump(mode="json", exclude=exclude)
+        dtype = resolve_dtype(self.dtype, resolve_device(self.device))
+        return fields if dtype == torch.float32 else {**fields, "dtype": str(dtype).removeprefix("torch.")}
 
 
 def build_tokenizer(spec: BaseSpec):
@@ -101,7 +110,9 @@ def build_tokenizer(spec: BaseSpec):
 def same_training(stored: dict | None, spec: BaseSpec) -> bool:
     """Whether recorded training fields are `spec`'s; a field added since takes its default."""
     try:
-        return stored is not None and BaseSpec.model_validate(stored).training_fields() == spec.training_fields()
+        # recorded fields hold no dtype where it was float32 (and before the field existed)
+        return stored is not None and \
+            BaseSpec.model_validate({"dtype": "float32", **stored}).training_fields() == spec.training_fields()
     except Exception:
         return False
 
@@ -126,7 +137,8 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     ckpt_path = out.parent / f".{out.name}.ckpt" / "state.pt"
     torch.set_num_threads(spec.threads)
     tok = build_tokenizer(spec)
-    model = build_model(spec.shape, tok, spec.seed)
+    device = resolve_device(spec.device)
+    model = place(build_model(spec.shape, tok, spec.seed), device, resolve_dtype(spec.dtype, device))
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
     stream = MixtureStream(spec.mixture, spec.difficulty, seed=spec.seed)
     torch.manual_seed(spec.seed)
@@ -150,7 +162,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
             step = state["step"]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.lr_floor)
-            batch = encode_sft(tok, stream.next_batch(spec.batch_size))
+            batch = {k: v.to(device) for k, v in encode_sft(tok, stream.next_batch(spec.batch_size)).items()}
             loss = model(**batch).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -181,7 +193,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     manifest = {
         "kind": "base", "name": spec.name, "spec": spec.training_fields(), "capabilities": spec.lab_capabilities,
         "kept_step": best["step"], "val_screen": best["val"], "history": state["history"],
-        "content_hash": state_dict_hash(model), "tokenizer": spec.tokenizer, "tokenizer_hash": tokenizer_hash(tok),
+        "content_hash": state_dict_hash(fp32_state(model)), "tokenizer": spec.tokenizer, "tokenizer_hash": tokenizer_hash(tok),
         "train_seconds": state["elapsed"],
     }
     with atomic_dir(out) as tmp:

@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from opd.config import load_yaml_model
+from opd.devices import DeviceName, DtypeName
 from opd.distill.config import DistillConfig
 from opd.errors import OpdError
 from opd.merge.strategies import MergeInputs, get_strategy
@@ -154,6 +155,10 @@ class MergeRecipe(BaseModel):
     eval_batch_size: int = Field(200, gt=0, le=4096, description="prompts per generate call when scoring "
                                  "(200: less CPU time per candidate than 64 on the lab, same answers there)")
     threads: int = Field(1, gt=0, description="torch CPU threads")
+    device: DeviceName = Field("auto", description="where candidates are scored and OPD trials train: 'auto' (the "
+                               "GPU when there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'; merges stay on the CPU")
+    dtype: DtypeName = Field("auto", description="the scorer's and OPD students' weights: 'float32', 'bfloat16' or "
+                             "'auto' (bfloat16 on a GPU that computes in it, else float32); merges run in float32")
 
     @model_validator(mode="after")
     def _check(self):

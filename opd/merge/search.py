@@ -7,6 +7,7 @@ the best merged model.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 import optuna
 import torch
 
+from opd.devices import place, resolve_device, resolve_dtype
 from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
 from opd.io import atomic_write_json, state_dict_hash
@@ -46,14 +48,22 @@ RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", RUNS_DIR, "lab_st
 class Scorer:
     """Scores state dicts on one reusable model object (no model rebuilt, no subprocess)."""
 
-    def __init__(self, inputs: MergeInputs, batch_size: int):
-        self.model = inputs.base_model
+    def __init__(self, inputs: MergeInputs, batch_size: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        """Scores on `device` in `dtype`: on the base model itself on the CPU in float32, else on a copy
+        there (the base stays on the CPU in float32, where the merges read it)."""
+        device = torch.device(device)
+        self.model = inputs.base_model if (device.type, dtype) == ("cpu", torch.float32) else \
+            place(copy.deepcopy(inputs.base_model), device, dtype)
         self.base_sd = inputs.base_sd
         self.tokenizer, self.caps, self.batch_size = inputs.tokenizer, inputs.capabilities, batch_size
         self.calls = 0
 
     def score(self, sd: dict, split: str, limit: int | None = None, caps: list[str] | None = None) -> dict[str, Score]:
-        self.model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
+        # tied lm_head follows the embedding. The merged weights stay on the CPU in float32: load_state_dict
+        # copies each into the scorer's parameter, onto its device and dtype (`param.copy_(input_param)` in
+        # torch/nn/modules/module.py, `_load_from_state_dict`)
+        self.model.load_state_dict(sd, strict=False)
         self.calls += 1
         return evaluate(self.model, self.tokenizer, caps or self.caps, split, limit=limit,
                         batch_size=self.batch_size, model_hash=state_dict_hash(self.model))
@@ -384,8 +394,10 @@ def merge(inputs: MergeInputs, cand: Candidate, recipe: MergeRecipe | None = Non
                 return {c: s.score for c, s in evaluate(m, inputs.tokenizer, inputs.capabilities, "val",
                                                         limit=recipe.distill.eval_limit,
                                                         batch_size=recipe.eval_batch_size).items()}
+        device = resolve_device(recipe.device)
         ctx = BuildContext(recipe.distill, recipe.out_dir, recipe.name, trials.read(trial).opd_init, run_number(trial),
-                           evaluate_fn, {c: refs.val[c] for c in refs.counted or refs.val} if refs else None, live)
+                           evaluate_fn, {c: refs.val[c] for c in refs.counted or refs.val} if refs else None, live,
+                           device, resolve_dtype(recipe.dtype, device))
     sd, record = get_strategy(cand.strategy).build(inputs, cand, ctx)
     if record and isinstance(trial, optuna.Trial):
         trials.update(trial, **record)
@@ -507,7 +519,10 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
                        name=name, warm=warm, log=log)
     if warm:
         log(f"inputs changed since study {warm[0]}: new study {name}, starting from its {len(warm[1])} best settings")
-    scorer = Scorer(inputs, recipe.eval_batch_size)
+    device = resolve_device(recipe.device)
+    dtype = resolve_dtype(recipe.dtype, device)
+    scorer = Scorer(inputs, recipe.eval_batch_size, device, dtype)
+    log(f"scoring on {device} in {str(dtype).removeprefix('torch.')}")
     log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
     refs = score_references(inputs, scorer, recipe.screening.limit)
     left_out = [c for c in inputs.capabilities if c not in refs.counted]

@@ -28,12 +28,12 @@ def completion_logits(model, ids, attn, plen, Tc: int) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V)."""
     logits = model(input_ids=ids, attention_mask=attn).logits  # (B, L, V)
     # token at position plen+j is predicted by logits at plen+j-1
-    idx = (plen[:, None] - 1 + torch.arange(Tc)[None, :]).clamp(max=ids.shape[1] - 1)  # (B, Tc)
+    idx = (plen[:, None] - 1 + torch.arange(Tc, device=ids.device)[None, :]).clamp(max=ids.shape[1] - 1)  # (B, Tc)
     return logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 def completion_targets(ids, plen, Tc: int) -> torch.Tensor:
-    idx = (plen[:, None] + torch.arange(Tc)[None, :]).clamp(max=ids.shape[1] - 1)  # (B, Tc)
+    idx = (plen[:, None] + torch.arange(Tc, device=ids.device)[None, :]).clamp(max=ids.shape[1] - 1)  # (B, Tc)
     return ids.gather(1, idx)
 
 
@@ -63,19 +63,20 @@ class GroupedBatch:
     row_prompt: torch.Tensor
 
 
-def group_rollouts(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int) -> GroupedBatch:
-    """Pack rows (prompt, completion) into a `GroupedBatch`, deduplicating equal prompts."""
+def group_rollouts(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                   device: torch.device | str = "cpu") -> GroupedBatch:
+    """Pack rows (prompt, completion) into a `GroupedBatch` on `device` (the model's), deduplicating equal prompts."""
     index: dict[tuple[int, ...], int] = {}
     row_prompt = [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
     prompts = list(index)
     Lp, Tc = max(len(p) for p in prompts), max(len(c) for c in completion_ids)
-    p_ids = torch.tensor([list(p) + [pad_id] * (Lp - len(p)) for p in prompts])  # (U, Lp)
-    p_len = torch.tensor([len(p) for p in prompts])
-    p_attn = (torch.arange(Lp)[None, :] < p_len[:, None]).long()
-    c_ids = torch.tensor([list(c) + [pad_id] * (Tc - len(c)) for c in completion_ids])  # (B, Tc)
-    c_len = torch.tensor([len(c) for c in completion_ids])
-    cmask = (torch.arange(Tc)[None, :] < c_len[:, None]).float()
-    return GroupedBatch(p_ids, p_attn, p_len, c_ids, cmask, torch.tensor(row_prompt))
+    p_ids = torch.tensor([list(p) + [pad_id] * (Lp - len(p)) for p in prompts], device=device)  # (U, Lp)
+    p_len = torch.tensor([len(p) for p in prompts], device=device)
+    p_attn = (torch.arange(Lp, device=device)[None, :] < p_len[:, None]).long()
+    c_ids = torch.tensor([list(c) + [pad_id] * (Tc - len(c)) for c in completion_ids], device=device)  # (B, Tc)
+    c_len = torch.tensor([len(c) for c in completion_ids], device=device)
+    cmask = (torch.arange(Tc, device=device)[None, :] < c_len[:, None]).float()
+    return GroupedBatch(p_ids, p_attn, p_len, c_ids, cmask, torch.tensor(row_prompt, device=device))
 
 
 def grouped_completion_logits(model, batch: GroupedBatch, rows: torch.Tensor | None = None,
@@ -90,14 +91,15 @@ def grouped_completion_logits(model, batch: GroupedBatch, rows: torch.Tensor | N
     Only the first `n_grad` rows (default: all) carry gradient; the others reuse the prompt pass
     but run without autograd (so a minibatch and the old logprobs of a whole batch share a pass).
     """
-    rows = torch.arange(batch.row_prompt.shape[0]) if rows is None else rows
+    dev = batch.row_prompt.device
+    rows = torch.arange(batch.row_prompt.shape[0], device=dev) if rows is None else rows
     n_grad = len(rows) if n_grad is None else n_grad
     used, which = batch.row_prompt[rows].unique(return_inverse=True)  # (u,), (b,): row -> used prompt
     p_attn, p_len = batch.prompt_attn[used], batch.prompt_len[used]
     with torch.set_grad_enabled(torch.is_grad_enabled() and n_grad > 0):
         out = model(input_ids=batch.prompt_ids[used], attention_mask=p_attn, use_cache=True)
     # the last real prompt token predicts the first completion token
-    first = out.logits[torch.arange(len(used)), p_len - 1][which]  # (b, V)
+    first = out.logits[torch.arange(len(used), device=dev), p_len - 1][which]  # (b, V)
     first = torch.cat([first[:n_grad], first[n_grad:].detach()])
     Tc = batch.completion_ids.shape[1]
     rest = []  # (h, Tc-1, V) for the grad rows, then for the others
@@ -109,7 +111,7 @@ def grouped_completion_logits(model, batch: GroupedBatch, rows: torch.Tensor | N
             # each row's copy of its prompt's cache; under autograd the prompt grads sum over the rows
             cache = DynamicCache([(k[w], v[w], sw) for k, v, sw in out.cache])
             attn = torch.cat([p_attn[w], batch.cmask[r, : Tc - 1].long()], dim=1)  # (h, Lp+Tc-1)
-            pos = p_len[w][:, None] + torch.arange(Tc - 1)[None, :]  # (h, Tc-1): positions continue the prompt
+            pos = p_len[w][:, None] + torch.arange(Tc - 1, device=dev)[None, :]  # (h, Tc-1): positions continue the prompt
             rest.append(model(input_ids=batch.completion_ids[r, : Tc - 1], attention_mask=attn, position_ids=pos,
                               cache=cache, use_cache=True).logits)
     return torch.cat([first[:, None], *([torch.cat(rest)] if rest else [])], dim=1)  # (b, Tc, V)

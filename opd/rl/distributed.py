@@ -211,7 +211,9 @@ def _all_reduce(n: int, op: str) -> int:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([n], dtype=torch.long)
+    # NCCL reduces only CUDA tensors (each rank's current device, which DeepSpeed set to its local GPU)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([n], dtype=torch.long, device=device)
     dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return int(t)
 

@@ -53,6 +53,8 @@ class BuildContext:
     evaluate_fn: Callable | None = None
     references: dict[str, float] | None = None
     live: bool = False  # show the student's bars in the live display (opd.display)
+    device: Any = None  # torch.device a student and its teachers train on (None: the base model's, the CPU)
+    dtype: Any = None  # torch.dtype of their weights (None: the base model's, float32)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from opd.devices import place
 from opd.distill.bar import opd_bar
 from opd.distill.config import DistillConfig
 from opd.distill.loop import distill
@@ -89,7 +92,8 @@ class DistillStrategy(Strategy):
         init = ctx.opd_init
         init_sd = get_strategy(init.strategy).build(inputs, init)[0] if init else inputs.base_sd
         sd, history = opd_student(inputs, cand, ctx.distill, ctx.name, init_sd, student_dir(ctx.out_dir, ctx.number),
-                                  evaluate_fn=ctx.evaluate_fn, references=ctx.references, live=ctx.live)
+                                  evaluate_fn=ctx.evaluate_fn, references=ctx.references, live=ctx.live,
+                                  device=ctx.device, dtype=ctx.dtype)
         return sd, {"opd_history": history}
 
     def card(self, cand: Candidate, base_path: str, expert_paths: dict[str, str], ctx: BuildContext) -> ModelCard:
@@ -164,10 +168,12 @@ def opd_settings(distill_cfg: DistillConfig, cand: Candidate) -> tuple[DistillCo
 
 def opd_student(inputs: MergeInputs, cand: Candidate, distill_cfg: DistillConfig, name: str, init_sd: dict,
                 trial_dir: Path, *, evaluate_fn=None, references: dict[str, float] | None = None,
-                log=lambda *_: None, live: bool = False) -> tuple[dict, list[dict]]:
+                log=lambda *_: None, live: bool = False, device=None, dtype=None) -> tuple[dict, list[dict]]:
     """Distil the experts into a student starting from `init_sd`, with the recipe's `distill_cfg`
     under the candidate's parameters; returns (state dict, history). `name` (the recipe's) names its
-    curves; `live`: show the student's bars in the live display (opd.display)."""
+    curves; `live`: show the student's bars in the live display (opd.display); `device`, `dtype`: where the
+    student and its teachers train (default: the base model's, the CPU in float32). The state dict returned
+    is on the CPU in float32, as every candidate's."""
     weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
     if weights_file.exists() and history_file.exists():
         return _trained(trial_dir)
@@ -175,7 +181,7 @@ def opd_student(inputs: MergeInputs, cand: Candidate, distill_cfg: DistillConfig
         if weights_file.exists() and history_file.exists():  # it finished while we waited to look
             return _trained(trial_dir)
         return _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir, evaluate_fn, references, log,
-                              live)
+                              live, device, dtype)
 
 
 def _trained(trial_dir: Path) -> tuple[dict, list[dict]]:
@@ -187,15 +193,19 @@ def _trained(trial_dir: Path) -> tuple[dict, list[dict]]:
     return load_file(trial_dir / "student.safetensors"), json.loads((trial_dir / "history.json").read_text())
 
 
-def _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir: Path, evaluate_fn, references, log, live):
+def _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir: Path, evaluate_fn, references, log, live,
+                   device=None, dtype=None):
     weights_file, history_file = trial_dir / "student.safetensors", trial_dir / "history.json"
     cfg, weights = opd_settings(distill_cfg, cand)
     student = copy.deepcopy(inputs.base_model)
     student.load_state_dict(init_sd, strict=False)  # tied lm_head follows the embedding
+    on_device = (lambda m: place(m, device, dtype or torch.float32)) if device is not None else (lambda m: m)
+    on_device(student)
     teachers = {}
     for e, sd in inputs.expert_sds.items():
         model = copy.deepcopy(inputs.base_model)
         model.load_state_dict(sd, strict=False)
+        on_device(model)
         teachers[e] = embedded_teacher(e, inputs.manifests[e].capability, model, inputs.tokenizer)
     routes = resolve_routes({e: t.capability for e, t in teachers.items()}, cfg.routes, weights)
     # the study's OPD curves side by side: <out>/opd/tb/trial-<n>
@@ -210,7 +220,8 @@ def _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir: Path, ev
         # search's split; the test split only reports)
         log(f"keeping step {state.best_step} (min val retention {state.best_min_retention:.3f})")
         student.load_state_dict(state.best_model)
-    sd = {k: v.detach().clone().contiguous() for k, v in merge_keys(student.state_dict()).items()}
+    sd = {k: v.detach().to("cpu", torch.float32).clone().contiguous()
+          for k, v in merge_keys(student.state_dict()).items()}
     trial_dir.mkdir(parents=True, exist_ok=True)
     # history last: the pair is complete only once both exist, and each lands whole
     atomic_save_safetensors(sd, weights_file)
