@@ -74,7 +74,6 @@ class ModelHeader:
     tied: bool  # tie_word_embeddings: the head is the input embedding (absent from the files)
     tensors: dict[str, tuple[tuple[int, ...], str]]  # stored name -> (shape, safetensors dtype)
     files: tuple[Path, ...]  # the safetensors files, in name order
-    name_or_path: str | None  # config.json's _name_or_path (transformers 4 wrote it; 5 drops it)
 
     def merge_names(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape as `opd.weights.merge.merge_keys` sees the loaded model: a tied head is
@@ -107,10 +106,14 @@ def read_header(path: str | os.PathLike, label: str) -> ModelHeader:
         why = "it does not exist" if not p.exists() else "no config.json in it"
         raise OpdError(f"{label} ({p}): not a model directory ({why}); give an HF model directory saved with "
                        "save_pretrained")
+    from transformers import AutoConfig
+
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise OpdError(f"{label} ({cfg_file}): unreadable config.json ({type(e).__name__})") from None
+        # AutoConfig fills in the class defaults a saved config may leave out (tie_word_embeddings)
+        cfg = AutoConfig.from_pretrained(p)
+    except Exception as e:  # ValueError (unknown model_type), OSError, JSONDecodeError, ...
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        raise OpdError(f"{label} ({cfg_file}): unreadable config.json ({type(e).__name__}: {first})") from None
     index = p / INDEX
     if index.is_file():
         try:
@@ -135,10 +138,8 @@ def read_header(path: str | os.PathLike, label: str) -> ModelHeader:
                     tensors[k] = (tuple(s.get_shape()), s.get_dtype())
         except Exception as e:  # a torn or foreign file: safetensors raises its own error types
             raise OpdError(f"{label} ({f}): not a readable safetensors file ({type(e).__name__})") from None
-    arch = cfg.get("architectures") or ()
-    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True))
-    return ModelHeader(p, cfg.get("model_type"), tuple(arch), bool(tied), tensors, tuple(files),
-                       cfg.get("_name_or_path") or None)
+    tied = getattr(cfg.get_text_config(), "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))
+    return ModelHeader(p, cfg.model_type, tuple(cfg.architectures or ()), bool(tied), tensors, tuple(files))
 
 
 def tied_aliases(header: ModelHeader) -> dict[str, str]:
@@ -151,9 +152,9 @@ def tied_aliases(header: ModelHeader) -> dict[str, str]:
     return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-def check_against_base(base: ModelHeader, other: ModelHeader, label: str) -> None:
-    """One OpdError line naming `label`, its directory and what differs from the base: architecture,
-    tied head, then tensor names and shapes."""
+def check_architecture(base: ModelHeader, other: ModelHeader, label: str) -> None:
+    """One OpdError line naming `label`, its directory and how its architecture (config.json's
+    model_type, architectures, tie_word_embeddings) differs from the base's."""
     if (other.model_type, other.architectures) != (base.model_type, base.architectures):
         raise OpdError(f"{label} ({other.path}) is a {list(other.architectures)} ({other.model_type}); the base "
                        f"({base.path}) is a {list(base.architectures)} ({base.model_type}): weight merging needs "
@@ -161,6 +162,11 @@ def check_against_base(base: ModelHeader, other: ModelHeader, label: str) -> Non
     if other.tied != base.tied:
         raise OpdError(f"{label} ({other.path}): tie_word_embeddings is {other.tied}, the base's ({base.path}) is "
                        f"{base.tied}: a tied and an untied head cannot be merged tensor by tensor")
+
+
+def check_tensors(base: ModelHeader, other: ModelHeader, label: str) -> None:
+    """One OpdError line naming `label`, its directory and the tensors whose names or shapes differ
+    from the base's (merge names: a tied head left out on both sides)."""
     mine, theirs = other.merge_names(), base.merge_names()
     missing = sorted(set(theirs) - set(mine))
     extra = sorted(set(mine) - set(theirs))
@@ -201,7 +207,7 @@ def _locked():
         os.close(fd)
 
 
-def cached_hash(kind: str, directory: Path, files, compute) -> str:
+def cached_hash(kind: str, directory: Path, files, compute):
     """`compute()` once per version of `files` (their absolute paths, sizes and mtimes), kept in
     $OPD_CACHE/content_hashes.json under `kind` and the directory (one entry each: a newer version
     replaces the older)."""
@@ -260,9 +266,9 @@ def stream_weights_hash(header: ModelHeader) -> str:
     return digest.hexdigest()[:16]
 
 
-def tokenizer_content_hash(directory: Path, label: str) -> str:
-    """`opd.io.tokenizer_hash` (every token's id, merges, added tokens) of the tokenizer saved in
-    `directory`: by content, never by path. Cached by the directory's non-weight files."""
+def tokenizer_content_hash(directory: Path, label: str) -> dict:
+    """{"hash": `opd.io.tokenizer_hash` (every token's id, merges, added tokens), "ids": its size} of the
+    tokenizer saved in `directory`: by content, never by path. Cached by the directory's non-weight files."""
     files = [f for f in Path(directory).iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)]
 
     def compute() -> str:
@@ -276,7 +282,7 @@ def tokenizer_content_hash(directory: Path, label: str) -> str:
             first = (str(e).strip().splitlines() or [""])[0][:120]
             raise OpdError(f"{label} ({directory}): no usable tokenizer ({type(e).__name__}: {first}); save the "
                            "base's tokenizer beside the weights (tokenizer.save_pretrained)") from None
-        return tokenizer_hash(tok)
+        return {"hash": tokenizer_hash(tok), "ids": len(tok)}
 
     return cached_hash("tokenizer", directory, files, compute)
 
@@ -378,14 +384,16 @@ def open_experts(entries: list[ExpertInput], base: str | os.PathLike, what: str 
                            f"{{path: {entry.path}, tasks: [...]}}")
         resolved[name] = (p, entry, has_manifest)
     headers = {n: read_header(p, f"{what} {n!r}") for n, (p, _, _) in resolved.items()}
-    for n, h in headers.items():
-        check_against_base(base_header, h, f"{what} {n!r}")
     want = tokenizer_content_hash(base_header.path, "the base")
-    for n, (p, _, _) in resolved.items():
-        got = tokenizer_content_hash(p, f"{what} {n!r}")
-        if got != want:
-            raise OpdError(f"tokenizer mismatch: {what} {n!r} ({p}: hash {got}) differs from the base's "
-                           f"({base_header.path}: hash {want}); per-token scores and merges need one vocabulary")
+    for n, h in headers.items():
+        check_architecture(base_header, h, f"{what} {n!r}")
+        # the tokenizer before the tensors: another vocabulary also reshapes the embedding, and is the cause
+        got = tokenizer_content_hash(h.path, f"{what} {n!r}")
+        if got["hash"] != want["hash"]:
+            raise OpdError(f"tokenizer mismatch: {what} {n!r} ({h.path}: {got['ids']} ids, hash {got['hash']}) "
+                           f"differs from the base's ({base_header.path}: {want['ids']} ids, hash {want['hash']}); "
+                           "per-token scores and merges need one vocabulary")
+        check_tensors(base_header, h, f"{what} {n!r}")
     out = {}
     for n, (p, entry, has_manifest) in resolved.items():
         hub = hub_id(p, entry.hub_id if entry else None)
