@@ -240,6 +240,23 @@ def test_bad_byo_input_is_one_line_exit_2_before_any_weights_load(tmp_path, monk
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_cli_process_refuses_a_byo_expert_in_one_line(tmp_path):
+    """The real command, `python -m opd.merge --recipe R`: exit code 2, one line, nothing written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lab = byo_lab(tmp_path / "lab")
+    experts, fields, words = _break("shapes", lab, tmp_path)
+    path = byo_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", experts, **fields)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-m", "opd.merge", "--recipe", str(path), "--no-live"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_distillation_routes_prompts_by_byo_teachers_tasks(tmp_path):
     """A BYO teacher listing two tasks serves both; a task two teachers list is split between them.
     The student's card names no local path in base_model."""
@@ -266,3 +283,28 @@ def test_distillation_routes_prompts_by_byo_teachers_tasks(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     with pytest.raises(OpdError, match="teacher 'count' .*no opd manifest, so list the tasks"):
         run_distill(load_run(tmp_path / "bad.yaml"), log=lambda *a: None, evaluate=False)
+
+
+def test_search_opd_strategy_routes_by_byo_tasks(tmp_path, monkeypatch):
+    """Inside the merge search, the OPD strategies' teachers are the recipe's experts, routed by tasks."""
+    from opd.distill.config import DistillConfig
+    from opd.merge.recipe import load_inputs
+    from opd.merge.strategies import distill as strategies
+    from opd.weights.merge import Candidate
+
+    lab = byo_lab(tmp_path / "lab")
+    experts = [{"path": str(lab["experts"]["add"]), "tasks": ["add", "rev"]},
+               {"path": str(lab["experts"]["rev"]), "tasks": ["rev"]}]
+    inputs = load_inputs(load_recipe(byo_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", experts)))
+    assert inputs.capabilities == ["add", "rev"] and inputs.manifests["add"].tasks == ["add", "rev"]
+    seen = {}
+    real = strategies.distill
+
+    def recording(cfg, student, tokenizer, teachers, routes, *a, **k):
+        seen["routes"] = routes
+        return real(cfg, student, tokenizer, teachers, routes, *a, **k)
+
+    monkeypatch.setattr(strategies, "distill", recording)
+    cand = Candidate(strategy="opd", shared={"steps": 1, "prompts_per_step": 2, "group_size": 2})
+    strategies.opd_student(inputs, cand, DistillConfig(max_new_tokens=4), "t", inputs.base_sd, tmp_path / "trial")
+    assert seen["routes"] == {"add": {"add": 1.0}, "rev": {"add": 0.5, "rev": 0.5}}

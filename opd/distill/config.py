@@ -56,7 +56,8 @@ class DistillConfig(BaseModel):
                              "multi-task GSPO on verifier rewards alone (the bench's control)")
     grad_clip: float = Field(1.0, gt=0)
     routes: dict[str, list[TeacherRef]] | None = Field(
-        None, description="capability -> teachers (default: each teacher serves its manifest's capability)")
+        None, description="capability -> teachers (default: each teacher serves its tasks: an opd expert's "
+        "manifest capability, a BYO entry's tasks)")
     mix: dict[str, float] | None = Field(None, description="capability -> prompt share (default: each "
                                          "capability's summed teacher weight)")
     adaptive_mix: float = Field(0.0, ge=0, description="after each retention check, scale capability c's prompt "

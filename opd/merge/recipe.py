@@ -137,7 +137,8 @@ class MergeRecipe(BaseModel):
     experts: list[ExpertInput] = Field(
         min_length=1, description="opd experts (a name, experts/<name>/, or a path holding manifest.json), or "
         "any HF causal-LM directory fine-tuned from the base as {path: DIR, tasks: [...]} (opd.model_inputs)")
-    capabilities: list[str] | None = Field(None, description="capabilities to score (default: each expert's own)")
+    capabilities: list[str] | None = Field(None, description="capabilities to score (default: every task the "
+                                           "experts list)")
     strategies: dict[str, dict[str, ParamSpec]] = Field(
         min_length=1, description="mergekit method, 'opd', 'merge_opd' or '<method>+opd' -> "
         "{parameter: value | [low, high] | {choices: [...]} | {range: [low, high], layer_groups: n}}")
