@@ -99,6 +99,7 @@ def read_header(path: str | os.PathLike, label: str) -> ModelHeader:
     """config.json and the safetensors headers (one file or a sharded index) of a model directory;
     OpdError naming `label` and the directory when it is not one."""
     from safetensors import safe_open
+    from transformers import AutoConfig
 
     p = Path(path)
     cfg_file = p / "config.json"
@@ -106,8 +107,6 @@ def read_header(path: str | os.PathLike, label: str) -> ModelHeader:
         why = "it does not exist" if not p.exists() else "no config.json in it"
         raise OpdError(f"{label} ({p}): not a model directory ({why}); give an HF model directory saved with "
                        "save_pretrained")
-    from transformers import AutoConfig
-
     try:
         # AutoConfig fills in the class defaults a saved config may leave out (tie_word_embeddings)
         cfg = AutoConfig.from_pretrained(p)
@@ -239,6 +238,7 @@ def weights_hash(header: ModelHeader) -> str:
 
 
 def stream_weights_hash(header: ModelHeader) -> str:
+    """`weights_hash` without the cache: one tensor in memory at a time (float32, as loaded)."""
     import hashlib
 
     import torch
