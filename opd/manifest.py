@@ -11,7 +11,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from opd.errors import OpdError, format_validation_error
 from opd.paths import PROJECT
@@ -35,12 +35,17 @@ class BaseRef(BaseModel):
 class ExpertManifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
 
-    kind: str = "expert"
+    kind: str = Field("expert", description="'expert' (trained by opd) or 'byo' (a fine-tune opened without a "
+                      "manifest, opd.model_inputs)")
     name: str
-    capability: str = Field(description="the capability this expert was trained on")
+    capability: str = Field(description="the capability this expert was trained on (a BYO expert: its first task)")
+    tasks: list[str] = Field(default_factory=list, description="the tasks it is an expert in, which route prompts "
+                             "to it and measure retention (default: [capability])")
     version: int = 1
     content_hash: str = Field(description="opd.io.state_dict_hash of the weights")
-    base: BaseRef
+    base: BaseRef | None = Field(None, description="the base it was trained from (none for a BYO expert: it is "
+                                 "checked against the base by architecture, tensors and tokenizer instead)")
+    hub_id: str | None = Field(None, description="the Hub repo the weights came from, when known (model cards)")
     reward: str = "exact"
     spec: dict = Field(default_factory=dict, description="the resolved expert spec")
     data: dict = Field(default_factory=dict, description="data seeds, split, difficulty")
@@ -48,6 +53,19 @@ class ExpertManifest(BaseModel):
     # metrics[split][capability] -> ScoreEntry, for split in {"val", "test"}; every lab capability
     metrics: dict[str, dict[str, ScoreEntry]] = Field(default_factory=dict)
     train: dict = Field(default_factory=dict, description="training statistics (steps, seconds, best step)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tasks(cls, data):
+        if isinstance(data, dict) and not data.get("tasks") and data.get("capability"):
+            data = {**data, "tasks": [data["capability"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _base_known(self):
+        if self.base is None and self.kind != "byo":
+            raise ValueError("field 'base': an opd expert's manifest records the base it was trained from")
+        return self
 
     def own_score(self, split: str = "test") -> float:
         return self.metrics[split][self.capability].score

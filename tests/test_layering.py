@@ -19,6 +19,7 @@ FLOORS = {
     # 0 ground: YAML into frozen models, atomic writes and hashes, one-line errors, output paths,
     # the expert manifest every floor above reads
     "opd": 0, "opd.config": 0, "opd.io": 0, "opd.errors": 0, "opd.devices": 0, "opd.schedule": 0, "opd.paths": 0, "opd.manifest": 0,
+    "opd.model_inputs": 0,  # opening any HF model directory and checking it against a base
     # 1 services: rollout engines, lm-eval scoring, capabilities, kernels, curves, the live display
     "opd.rollout": 1, "opd.evaluation": 1, "opd.capabilities": 1, "opd_kernels": 1, "opd.tracking": 1,
     "opd.display": 1, "opd.console": 1,

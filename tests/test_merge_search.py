@@ -149,8 +149,9 @@ def test_search_writes_matrix_report_and_best_model(run):
     assert "mergekit-yaml" in card and "score (test)" in card and recipe.name in card
     front = yaml.safe_load(card.split("---\n")[1])  # the Hub's model-card front matter
     assert front["library_name"] == "transformers" and {"merge", "mergekit", "opd"} <= set(front["tags"])
-    assert front["base_model"] == [summary["inputs"]["base"]["path"],
-                                   *(e["path"] for e in summary["inputs"]["experts"].values())]
+    # base_model is for Hub ids (none here: every input is a local directory); local paths are in the body
+    assert "base_model" not in front
+    assert all(i["path"] in card for i in [summary["inputs"]["base"], *summary["inputs"]["experts"].values()])
     assert (best / "mergekit.yaml").exists() and (best / "model.safetensors").exists()
     manifest = json.loads((best / "manifest.json").read_text())
     assert manifest["inputs"]["base"]["content_hash"] and manifest["recipe"]["name"] == recipe.name

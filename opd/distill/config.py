@@ -11,6 +11,7 @@ from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.distill.ahead import Worker
 from opd.errors import OpdError
+from opd.model_inputs import ExpertEntry, ExpertInput
 from opd.rl.distributed import DeepSpeedFragment
 from opd.rl.packing import Layout
 from opd.tracking import REPORT_TO_HELP, ReportTo
@@ -56,7 +57,8 @@ class DistillConfig(BaseModel):
                              "multi-task GSPO on verifier rewards alone (the bench's control)")
     grad_clip: float = Field(1.0, gt=0)
     routes: dict[str, list[TeacherRef]] | None = Field(
-        None, description="capability -> teachers (default: each teacher serves its manifest's capability)")
+        None, description="capability -> teachers (default: each teacher serves its tasks: an opd expert's "
+        "manifest capability, a BYO entry's tasks)")
     mix: dict[str, float] | None = Field(None, description="capability -> prompt share (default: each "
                                          "capability's summed teacher weight)")
     adaptive_mix: float = Field(0.0, ge=0, description="after each retention check, scale capability c's prompt "
@@ -156,7 +158,10 @@ class DistillRun(BaseModel):
     name: str = Field(pattern=r"^[\w-][\w.-]*$", description="names the output directory (one path "
                       "component: letters, digits, _ - .)")
     base: str = Field("runs/base", description="the base model all teachers were trained from")
-    teachers: list[str] = Field(min_length=1, description="expert names (experts/<name>/) or paths")
+    teachers: list[ExpertInput] = Field(
+        min_length=1, description="opd experts (a name, experts/<name>/, or a path holding manifest.json), or any HF "
+        "causal-LM directory fine-tuned from the base as {path: DIR, tasks: [...]}: each teacher serves the "
+        "prompts of its tasks (an opd expert: its manifest's capability)")
     student: str = Field("base", description="'base', or a model directory (e.g. runs/merge/<name>/best)")
     student_merge: dict[str, Any] | None = Field(
         None, description="init the student from this weight-space merge of the teachers: "
@@ -180,6 +185,14 @@ class DistillRun(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
+        from opd.capabilities import get_capability
+
+        for i, t in enumerate(self.teachers):
+            for task in (t.tasks or []) if isinstance(t, ExpertEntry) else []:
+                try:
+                    get_capability(task)
+                except OpdError as e:
+                    raise ValueError(f"teachers.{i}.tasks: {e}") from None
         if self.student_merge is not None and self.student != "base":
             raise ValueError("give student (a model directory) or student_merge, not both")
         if self.teacher_servers and self.distill.estimator in ("full", "topk"):

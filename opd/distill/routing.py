@@ -1,6 +1,8 @@
-"""Which teacher serves which prompt: the routing key is the prompt's capability."""
+"""Which teacher serves which prompt: the routing key is the prompt's capability (a teacher's tasks)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from opd.distill.config import TeacherRef
 from opd.errors import OpdError
@@ -8,15 +10,18 @@ from opd.errors import OpdError
 Routes = dict[str, dict[str, float]]  # capability -> {teacher: weight}, weights summing to 1
 
 
-def resolve_routes(teacher_caps: dict[str, str], routes: dict[str, list[TeacherRef]] | None = None,
+def resolve_routes(teacher_caps: dict[str, str | Sequence[str]], routes: dict[str, list[TeacherRef]] | None = None,
                    weights: dict[str, float] | None = None) -> Routes:
-    """Normalised routes. Default: each teacher serves its own capability (`teacher_caps`, from the
-    manifests), weighted by `weights` (default 1). `routes` replaces that table entirely.
+    """Normalised routes. Default: each teacher serves its tasks (`teacher_caps`: teacher -> its
+    capability or its list of tasks, from the manifests or a BYO entry's `tasks`), weighted by
+    `weights` (default 1); a task several teachers list is served by all of them. `routes` replaces
+    that table entirely.
     """
     table: dict[str, dict[str, float]] = {}
     if routes is None:
-        for t, cap in teacher_caps.items():
-            table.setdefault(cap, {})[t] = (weights or {}).get(t, 1.0)
+        for t, caps in teacher_caps.items():
+            for cap in [caps] if isinstance(caps, str) else caps:
+                table.setdefault(cap, {})[t] = (weights or {}).get(t, 1.0)
     else:
         for cap, refs in routes.items():
             for ref in refs:

@@ -16,32 +16,42 @@ from opd.distill.routing import resolve_routes
 from opd.distill.teachers import Teacher, embedded_teacher
 from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
+from opd.model_inputs import entry_name, hub_id, write_model_card
 from opd.paths import check_output, require_model_dir, require_same_tokenizer
 from opd.rollout import get_engine
 from opd.tracking import Tracker, open_tracker, tracking_dir
 
 
-def load_teachers(names: list[str], tokenizer, servers: dict[str, str] | None = None, device: str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> tuple[dict[str, Teacher], dict[str, dict]]:
-    """Each expert as a frozen in-process teacher on `device` in `dtype` (or, when `servers` names it, a
-    client of the SGLang server at that URL), and its manifest (as a dict) by teacher name."""
+def load_teachers(names: list, tokenizer, servers: dict[str, str] | None = None, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32, base: str | Path | None = None
+                  ) -> tuple[dict[str, Teacher], dict[str, dict]]:
+    """Each expert (an opd expert's name or path, or a BYO `{path, tasks}` entry) as a frozen in-process
+    teacher on `device` in `dtype` (or, when `servers` names it, a client of the SGLang server at that
+    URL) serving its tasks, and its record (as a dict) by teacher name. With `base`, every teacher is
+    checked against it (architecture, tensors, tokenizer content: opd.model_inputs) before any weights
+    load; without, opd experts' tokenizers against `tokenizer`."""
     from transformers import AutoModelForCausalLM
 
     from opd.manifest import load_manifest, resolve_expert
+    from opd.model_inputs import OpenedExpert, open_experts
 
-    paths = {n: resolve_expert(n) for n in names}
-    # every tokenizer before any model loads
-    require_same_tokenizer(("the student", tokenizer), {f"teacher {p.name!r}": p for p in paths.values()})
+    if base is not None:
+        opened = open_experts(list(names), base, what="teacher")
+    else:
+        paths = {n: resolve_expert(n) for n in names}
+        require_same_tokenizer(("the student", tokenizer), {f"teacher {p.name!r}": p for p in paths.values()})
+        opened = {p.name: OpenedExpert(p.name, p, load_manifest(p)) for p in paths.values()}
     teachers, manifests = {}, {}
-    for path in paths.values():
-        m = load_manifest(path)
-        url = (servers or {}).get(path.name)
+    for name, e in opened.items():
+        m = e.record
+        url = (servers or {}).get(name)
         if url:
-            teachers[path.name] = Teacher(path.name, m.capability, get_engine("sglang", base_url=url, tokenizer=tokenizer))
+            teachers[name] = Teacher(name, m.capability, get_engine("sglang", base_url=url, tokenizer=tokenizer),
+                                     tasks=tuple(m.tasks))
         else:
-            model = place(AutoModelForCausalLM.from_pretrained(path, dtype="float32"), torch.device(device), dtype)
-            teachers[path.name] = embedded_teacher(path.name, m.capability, model, tokenizer)
-        manifests[path.name] = {"path": str(path), **m.model_dump(mode="json")}
+            model = place(AutoModelForCausalLM.from_pretrained(e.path, dtype="float32"), torch.device(device), dtype)
+            teachers[name] = embedded_teacher(name, m.capability, model, tokenizer, m.tasks)
+        manifests[name] = {"path": str(e.path), **m.model_dump(mode="json")}
     return teachers, manifests
 
 
@@ -109,18 +119,19 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     tok0 = AutoTokenizer.from_pretrained(run.base)
     if run.student != "base":  # the teachers are checked against the base in load_teachers
         require_same_tokenizer(("the base", tok0), {"the student": run.student})
-    unknown = sorted(set(run.teacher_servers) - {Path(t).name for t in run.teachers})
+    names = [entry_name(t) for t in run.teachers]
+    unknown = sorted(set(run.teacher_servers) - set(names))
     if unknown:
-        raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {run.teachers}")
+        raise OpdError(f"teacher_servers names {unknown}, which are not among the teachers {names}")
     # after the process group: 'auto' and 'cuda' are each rank's own GPU (LOCAL_RANK)
     device = resolve_device(run.device)
     dtype = resolve_dtype(run.dtype, device)
-    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, device, dtype)
+    teachers, manifests = load_teachers(run.teachers, tok0, run.teacher_servers, device, dtype, base=run.base)
     check_same_architecture(teachers, student=AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run.base)))
     student, tok = init_student(run, teachers, manifests)
     init_hash = state_dict_hash(student)  # of the float32 init, before `place` casts it
     place(student, device, dtype)
-    routes = resolve_routes({n: t.capability for n, t in teachers.items()}, run.distill.routes)
+    routes = resolve_routes({n: t.tasks for n, t in teachers.items()}, run.distill.routes)
     caps = list(routes)
     refs = teacher_references(routes, manifests)
     ckpt = out.parent / f".{out.name}.ckpt" / "state.pt"
@@ -160,7 +171,9 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         "kind": "distilled", "name": run.name, "content_hash": state_dict_hash(fp32_state(student)),
         "run": recorded, "routes": routes, "student_init_hash": init_hash,
         "inputs": {"base": run.base, "teachers": {n: {"path": m["path"], "content_hash": m["content_hash"],
-                                                      "capability": m["capability"]} for n, m in manifests.items()}},
+                                                      "capability": m["capability"], "tasks": m["tasks"],
+                                                      "kind": m["kind"], "hub_id": m.get("hub_id")}
+                                                  for n, m in manifests.items()}},
         "train": {"steps": state.step, "seconds": state.elapsed, "gen_tokens": state.gen_tokens, "ranks": world,
                   "kept_step": state.best_step if state.best_model is not None else state.step,
                   "kept_min_val_retention": state.best_min_retention},
@@ -171,9 +184,33 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         tok.save_pretrained(tmp)
         atomic_write_json(tmp / "manifest.json", manifest)
         atomic_write_json(tmp / "history.json", state.history)
+        _write_card(tmp, run, manifest)
     shutil.rmtree(ckpt.parent, ignore_errors=True)
     log(f"wrote {out} ({state.step} steps, {state.gen_tokens} student tokens, {state.elapsed / 60:.1f} min)")
     return manifest
+
+
+def _write_card(out: Path, run: DistillRun, manifest: dict) -> None:
+    """The student's model card: Hub ids of its base and teachers (when they came from the Hub) as
+    base_model, local paths in the body."""
+    teachers = manifest["inputs"]["teachers"]
+    rows = "\n".join(f"| {n} | {', '.join(t['tasks'])} | `{t['path']}` | `{t['content_hash']}` |"
+                     for n, t in teachers.items())
+    final = manifest["final"]
+    scores = "\n".join(f"| {k.removeprefix('val/')} | {v:.3f} |" for k, v in final.items() if k.startswith("val/"))
+    body = f"""# {run.name}: distilled model
+
+Trained by opd's on-policy distillation (`python -m opd.distill`) from the base `{run.base}`
+for {manifest['train']['steps']} steps, each prompt's tokens scored by the teachers of its task:
+
+| teacher | tasks | path | content hash |
+|---|---|---|---|
+{rows}
+""" + (f"\n| task | score (val) |\n|---|---|\n{scores}\n" if scores else "") + """
+`manifest.json` beside the weights records the run's settings and inputs.
+"""
+    write_model_card(out, body, {"base": {"hub_id": hub_id(run.base)}, "teachers": teachers},
+                     ["opd", "distillation"])
 
 
 def _already_written(out: Path, run: dict, init_hash: str, manifests: dict[str, dict], evaluate: bool

@@ -18,13 +18,18 @@ class Teacher:
     capability: str
     engine: RolloutEngine
     model: torch.nn.Module | None = None
+    tasks: tuple[str, ...] = ()  # the tasks whose prompts it serves (default: its capability)
+
+    def __post_init__(self):
+        if not self.tasks:
+            self.tasks = (self.capability,)
 
 
-def embedded_teacher(name: str, capability: str, model, tokenizer) -> Teacher:
+def embedded_teacher(name: str, capability: str, model, tokenizer, tasks=()) -> Teacher:
     """A frozen in-process teacher: eval mode (no dropout in its targets) and no gradients."""
     model.eval()
     model.requires_grad_(False)
-    return Teacher(name, capability, get_engine("embedded", model=model, tokenizer=tokenizer), model)
+    return Teacher(name, capability, get_engine("embedded", model=model, tokenizer=tokenizer), model, tuple(tasks))
 
 
 def completion_hidden(model, ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, Tc: int) -> torch.Tensor:

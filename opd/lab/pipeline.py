@@ -85,11 +85,14 @@ def _last_line(path: Path) -> str:
 def expert_jobs(recipe) -> dict[str, tuple[Path, Path | None]]:
     """Each of a recipe's experts as name -> (its spec experts/<name>.yaml, its output directory).
     An expert listed by name lands in the default experts/<name>/ (None); one listed as a path
-    (experts/lab10/add) lands there, trained from the spec named by its last part."""
+    (experts/lab10/add) lands there, trained from the spec named by its last part; a `{path, tasks}`
+    entry (a fine-tune brought from elsewhere) is not trained."""
     from opd.manifest import EXPERTS_DIR
 
     jobs = {}
     for entry in recipe.experts:
+        if not isinstance(entry, str):  # a {path, tasks} entry is brought trained, not trained here
+            continue
         p = Path(entry)
         out = p if len(p.parts) > 1 else None
         spec = EXPERTS_DIR / f"{p.name}.yaml"

@@ -130,9 +130,10 @@ def what_changed(prev: dict, summary: dict) -> dict:
         return {c["capability"]: c for c in s["matrix"]["test"] if c["candidate"] == s["best"]}
 
     def expert_cells(s: dict) -> dict:  # the owning expert's own score, per capability
-        return {c["capability"]: c for c in s["matrix"]["test"]
-                if c["candidate"].startswith("expert ") and s["inputs"]["experts"].get(c["candidate"][7:], {})
-                .get("capability") == c["capability"]}
+        from opd.merge.report import expert_rows
+
+        rows = expert_rows(s)
+        return {c["capability"]: c for c in s["matrix"]["test"] if rows.get(c["capability"]) == c["candidate"]}
 
     pb, nb, pe, ne = best_cells(prev), best_cells(summary), expert_cells(prev), expert_cells(summary)
     caps = []

@@ -22,7 +22,8 @@ from opd.devices import DeviceName, DtypeName
 from opd.distill.config import DistillConfig
 from opd.errors import OpdError
 from opd.merge.strategies import MergeInputs, get_strategy
-from opd.paths import NAME_PATTERN, redact_url, require_model_dir, require_same_tokenizer
+from opd.model_inputs import ExpertEntry, ExpertInput
+from opd.paths import NAME_PATTERN, redact_url, require_model_dir
 from opd.weights.merge import merge_keys
 
 Scalar = bool | int | float | str
@@ -134,8 +135,11 @@ class MergeRecipe(BaseModel):
     name: str = Field(pattern=NAME_PATTERN, description="names the run directory and the merged model (one "
                       "path component: letters, digits, _ - .)")
     base: str = Field("runs/base", description="the base model directory all experts were trained from")
-    experts: list[str] = Field(min_length=1, description="expert names (experts/<name>/) or paths")
-    capabilities: list[str] | None = Field(None, description="capabilities to score (default: each expert's own)")
+    experts: list[ExpertInput] = Field(
+        min_length=1, description="opd experts (a name, experts/<name>/, or a path holding manifest.json), or "
+        "any HF causal-LM directory fine-tuned from the base as {path: DIR, tasks: [...]} (opd.model_inputs)")
+    capabilities: list[str] | None = Field(None, description="capabilities to score (default: every task the "
+                                           "experts list)")
     strategies: dict[str, dict[str, ParamSpec]] = Field(
         min_length=1, description="mergekit method, 'opd', 'merge_opd' or '<method>+opd' -> "
         "{parameter: value | [low, high] | {choices: [...]} | {range: [low, high], layer_groups: n}}")
@@ -169,6 +173,15 @@ class MergeRecipe(BaseModel):
                              "into the scores the report gives")
         for c in self.capabilities or []:
             get_capability(c)
+        for i, e in enumerate(self.experts):
+            for t in (e.tasks or []) if isinstance(e, ExpertEntry) else []:
+                if self.capabilities is not None and t not in self.capabilities:
+                    raise ValueError(f"experts.{i}.tasks: {t!r} is not scored by this recipe (capabilities: "
+                                     f"{self.capabilities}); add it there or drop it from the expert's tasks")
+                try:
+                    get_capability(t)
+                except OpdError as err:
+                    raise ValueError(f"experts.{i}.tasks: {err}") from None
         for name, params in self.strategies.items():
             strategy = get_strategy(name)
             for p in params:
@@ -218,49 +231,34 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> MergeRecipe:
 
 
 def load_inputs(recipe: MergeRecipe) -> MergeInputs:
-    """Load base and experts; refuse incompatible ones (base hash, architecture, shapes, vocab)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Load base and experts; refuse incompatible ones. Every expert is checked against the base
+    (architecture, tensor names and shapes, tokenizer content) before any weights load
+    (opd.model_inputs); an opd expert's manifest must name this base's hash and its weights' hash."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.io import state_dict_hash
-    from opd.manifest import load_manifest, resolve_expert
+    from opd.model_inputs import cached_hash, open_experts, read_header
 
     # absolute: mergekit reads a relative path that is not a directory as a hub model id
     base_path = require_model_dir(recipe.base, "base", "build it with scripts/build_base.py or set base= to a "
                                   "model directory").resolve()
-    paths = {}
-    for e in recipe.experts:
-        p = resolve_expert(e).resolve()
-        name = p.name
-        if name in paths or name == "base":
-            raise OpdError(f"expert {e!r}: the name {name!r} is used twice or reserved; give each expert its own name")
-        paths[name] = p
-    manifests = {n: load_manifest(p) for n, p in paths.items()}
-    base_cfg = AutoConfig.from_pretrained(base_path)
-    for n, p in paths.items():
-        cfg = AutoConfig.from_pretrained(p)
-        if (cfg.model_type, cfg.architectures) != (base_cfg.model_type, base_cfg.architectures):
-            raise OpdError(f"expert {n!r} is a {cfg.architectures} ({cfg.model_type}); the base is a "
-                           f"{base_cfg.architectures} ({base_cfg.model_type}): weight merging needs one architecture")
+    opened = open_experts(list(recipe.experts), base_path)
+    paths = {n: e.path for n, e in opened.items()}
+    manifests = {n: e.record for n, e in opened.items()}
     tokenizer = AutoTokenizer.from_pretrained(base_path)
-    require_same_tokenizer(("the base", tokenizer), {f"expert {n!r}": p for n, p in paths.items()})
     base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype="float32")
-    base_hash = state_dict_hash(base_model)
+    # the value opd's manifests record for their base, computed once per version of the base's files
+    base_hash = cached_hash("state_dict", base_path, read_header(base_path, "the base").files,
+                            lambda: state_dict_hash(base_model))
     for n, m in manifests.items():
-        if m.base.content_hash != base_hash:
+        if m.base is not None and m.base.content_hash != base_hash:
             raise OpdError(f"expert {n!r} was trained from base {m.base.content_hash}, not {base_path} ({base_hash})")
-    base_sd = merge_keys(base_model.state_dict())
     sds = {}
     for n, p in paths.items():
         model = AutoModelForCausalLM.from_pretrained(p, dtype="float32")
-        sd = merge_keys(model.state_dict())
-        bad = sorted(k for k in set(base_sd) | set(sd)
-                     if k not in sd or k not in base_sd or sd[k].shape != base_sd[k].shape)
-        if bad:
-            raise OpdError(f"expert {n!r}: tensors missing or shaped unlike the base: {bad[:3]}"
-                           f"{' ...' if len(bad) > 3 else ''}")
-        if state_dict_hash(model) != manifests[n].content_hash:
+        if not opened[n].byo and state_dict_hash(model) != manifests[n].content_hash:
             raise OpdError(f"expert {n!r}: weights in {p} do not match its manifest's content_hash "
                            f"{manifests[n].content_hash} (changed after training?)")
-        sds[n] = sd
-    caps = list(recipe.capabilities or dict.fromkeys(m.capability for m in manifests.values()))
+        sds[n] = merge_keys(model.state_dict())
+    caps = list(recipe.capabilities or dict.fromkeys(t for m in manifests.values() for t in m.tasks))
     return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps)

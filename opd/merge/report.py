@@ -16,6 +16,7 @@ from opd.merge import trials
 from opd.merge.history import what_changed_md
 from opd.merge.interference import as_table
 from opd.merge.strategies import BuildContext, get_strategy
+from opd.model_inputs import write_model_card
 
 
 class LiveBoard:
@@ -353,8 +354,11 @@ def _html_figures(plots: dict[str, bytes]) -> str:
 
 
 def expert_rows(summary: dict) -> dict[str, str]:
-    """capability -> the matrix row of its expert ("expert <name>")."""
-    return {e["capability"]: f"expert {n}" for n, e in summary["inputs"]["experts"].items()}
+    """capability -> the matrix row of its expert ("expert <name>"): the search's owner of each task
+    (the best on val of the experts listing it), else each expert's tasks (results written before)."""
+    rows = {t: f"expert {n}" for n, e in reversed(summary["inputs"]["experts"].items())
+            for t in e.get("tasks") or [e["capability"]]}
+    return {**rows, **{c: f"expert {n}" for c, n in summary.get("owners", {}).items()}}
 
 
 def headline(summary: dict) -> str:
@@ -421,19 +425,10 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
         })
         scores = "\n".join(f"| {c['capability']} | {c['score']:.3f} ± {c['stderr']:.3f} | {c['retention']:.2f} | "
                            f"{c['delta_vs_base']:+.3f} |" for c in rows)
-        # Hub model-card front matter, as mergekit writes it: every input model under base_model
-        front = yaml.safe_dump({
-            "base_model": [summary["inputs"]["base"]["path"],
-                           *(e["path"] for e in summary["inputs"]["experts"].values())],
-            "library_name": "transformers",
-            "tags": ["merge", "mergekit", "opd", *card.tags],
-        }, sort_keys=False)
-        (tmp / "README.md").write_text(f"""---
-{front}---
-# {recipe.name}: {card.kind} model
+        write_model_card(tmp, f"""# {recipe.name}: {card.kind} model
 
-Merged by opd from the base `{summary['inputs']['base']['path']}` ({summary['inputs']['base']['content_hash']})
-and the experts {', '.join(f"`{e}`" for e in summary['inputs']['experts'])}, {how}.
+Merged by opd from the base {_input_md(summary['inputs']['base'])}
+and the experts {', '.join(f"`{e}` ({_input_md(i)})" for e, i in summary['inputs']['experts'].items())}, {how}.
 Chosen on the validation split by recipe `{recipe.name}`; the scores below are on the test split.
 
 Candidate: `{cand.label()}` (seed {cand.seed}).
@@ -451,9 +446,15 @@ Recipe:
 
 ```yaml
 {yaml.safe_dump(summary['recipe'], sort_keys=False)}```
-""")
+""", summary["inputs"], ["merge", "mergekit", "opd", *card.tags])
     model.load_state_dict(inputs.base_sd, strict=False)
     return final
+
+
+def _input_md(i: dict) -> str:
+    """An input model in the card's body: its Hub id when it came from the Hub, its local path, its hash."""
+    hub = f"[{i['hub_id']}](https://huggingface.co/{i['hub_id']}), " if i.get("hub_id") else ""
+    return f"{hub}`{i['path']}` (content hash `{i['content_hash']}`)"
 
 
 def rewrite_report(run_dir: str | Path, log=print) -> Path:

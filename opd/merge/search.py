@@ -81,6 +81,7 @@ class References:
     # The capabilities whose expert beats the base on full val (MIN_GAIN_Z): the min/mean objectives and
     # OPD's keep-best checkpoint count only these (all capabilities when none does).
     counted: list[str] = field(default_factory=list)
+    owner: dict[str, str] = field(default_factory=dict)  # capability -> the expert its reference is
 
 
 def score_references(inputs: MergeInputs, scorer: Scorer, screen_limit: int | None) -> References:
@@ -90,16 +91,18 @@ def score_references(inputs: MergeInputs, scorer: Scorer, screen_limit: int | No
         refs.experts[split] = {e: scorer.score(sd, split) for e, sd in inputs.expert_sds.items()}
     owner = {}
     for e, m in inputs.manifests.items():
-        if m.capability in inputs.capabilities:
-            best = owner.get(m.capability)
-            if best is None or refs.experts["val"][e][m.capability].score > refs.experts["val"][best][m.capability].score:
-                owner[m.capability] = e
+        for cap in m.tasks:  # a task several experts list is owned by the best of them on val
+            if cap in inputs.capabilities:
+                best = owner.get(cap)
+                if best is None or refs.experts["val"][e][cap].score > refs.experts["val"][best][cap].score:
+                    owner[cap] = e
     for cap in inputs.capabilities:
         e = owner.get(cap)
         val, test = (refs.experts["val"][e], refs.experts["test"][e]) if e else (refs.base["val"], refs.base["test"])
         refs.val[cap], refs.test[cap] = val[cap].score, test[cap].score
         sd = inputs.expert_sds[e] if e else scorer.base_sd
         refs.screen[cap] = scorer.score(sd, "val", screen_limit, [cap])[cap].score if screen_limit else refs.val[cap]
+    refs.owner = owner
     b = refs.base["val"]
     refs.counted = [c for c in inputs.capabilities if owner.get(c) and gain_z(
         refs.experts["val"][owner[c]][c].score, refs.experts["val"][owner[c]][c].stderr, b[c].score, b[c].stderr)
@@ -497,6 +500,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     study that starts from the earlier run's best settings, and the report opens with what changed.
     """
     from opd.merge.report import save_best_model, write_report
+    from opd.model_inputs import hub_id
 
     torch.set_num_threads(recipe.threads)
     t0 = time.time()
@@ -543,13 +547,17 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     summary = {
         "recipe": recipe.model_dump(mode="json"),
         "study": name,
-        "inputs": {"base": {"path": str(inputs.base_path), "content_hash": inputs.base_hash},
+        "inputs": {"base": {"path": str(inputs.base_path), "content_hash": inputs.base_hash,
+                            "hub_id": hub_id(inputs.base_path)},
                    "experts": {e: {"path": str(p), "content_hash": inputs.manifests[e].content_hash,
                                    "version": inputs.manifests[e].version,
-                                   "capability": inputs.manifests[e].capability}
+                                   "capability": inputs.manifests[e].capability,
+                                   "tasks": inputs.manifests[e].tasks, "kind": inputs.manifests[e].kind,
+                                   "hub_id": inputs.manifests[e].hub_id}
                                for e, p in inputs.expert_paths.items()}},
         "objectives": objective_names(recipe, inputs.capabilities),
         "counted": refs.counted,
+        "owners": refs.owner,
         "trials": [{"number": t.number, "values": t.values, "params": t.params, **trials.read(t).fields()}
                    for t in finished(study)],
         "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}

@@ -185,7 +185,7 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.io import state_dict_hash
-    from opd.manifest import load_manifest
+    from opd.model_inputs import expert_record
     from opd.weights.merge import merge_keys
 
     if base is None:
@@ -194,7 +194,7 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
     data, prompts, samples, steps, lr, batch, seed, inputs, granularity = settings
     canons = {i: str(Path(p).resolve()) for i, p in paths.items()}
     order = sorted(set(canons.values()))
-    manifests = {c: load_manifest(c) for c in order}
+    manifests = {c: expert_record(c) for c in order}
     base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     key = (state_dict_hash(base_model), tuple(manifests[c].content_hash for c in order), settings)
     wudi.prepare(paths, {"data": data, "prompts": prompts, "inputs": inputs})  # the start's Grams, by these ids

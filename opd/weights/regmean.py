@@ -461,9 +461,9 @@ def expert_grams(path: str | Path, prompts: int = PROMPTS, inputs: str = INPUTS)
 def _ensure(path: str | Path, prompts: int, inputs: str = INPUTS) -> tuple:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.manifest import load_manifest
+    from opd.model_inputs import expert_record
 
-    manifest = load_manifest(path)
+    manifest = expert_record(path)
     key = (manifest.content_hash, manifest.capability, prompts, DATA_SEED, inputs)
     if key not in _CACHE:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -206,8 +206,9 @@ def _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir: Path, ev
         model = copy.deepcopy(inputs.base_model)
         model.load_state_dict(sd, strict=False)
         on_device(model)
-        teachers[e] = embedded_teacher(e, inputs.manifests[e].capability, model, inputs.tokenizer)
-    routes = resolve_routes({e: t.capability for e, t in teachers.items()}, cfg.routes, weights)
+        teachers[e] = embedded_teacher(e, inputs.manifests[e].capability, model, inputs.tokenizer,
+                                       inputs.manifests[e].tasks)
+    routes = resolve_routes({e: t.tasks for e, t in teachers.items()}, cfg.routes, weights)
     # the study's OPD curves side by side: <out>/opd/tb/trial-<n>
     with open_tracker(cfg.report_to, tracking_dir(trial_dir), f"{name}/{trial_dir.name}",
                       cfg.model_dump(mode="json")) as tracker, \
