@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from opd.cluster import ClusterSettings
 from opd.config import load_yaml_model
 from opd.distill.config import DistillConfig
 from opd.errors import OpdError
@@ -105,6 +106,9 @@ class LabTraining(BaseModel):
                                          "the experts as paths (experts/lab10/add) so that such experts get "
                                          "their own directory and never replace the default versions")
     jobs: int = Field(1, gt=0, description="experts trained at once, one process each (--jobs overrides)")
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings, description="where the experts train: "
+                                     "{engine: local} (default, `jobs` at once) or {engine: ray, address: auto | "
+                                     "ray://host:port | host:port} (one Ray task per expert; --ray overrides)")
     base: dict[str, Scalar] = Field(default_factory=dict, description="overrides of the lab's base spec "
                                     "(opd/lab/base.yaml) for the lab's base stage, which builds the recipe's "
                                     "`base` directory, e.g. {tokenizer: bpe} for a BPE lab; checked against "

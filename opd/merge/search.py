@@ -40,7 +40,7 @@ from opd.weights.layers import LayerValues
 from opd.weights.merge import Candidate
 
 # What an existing run directory of a merge recipe holds (one of them at least).
-RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", RUNS_DIR, "lab_stages.json")
+RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", RUNS_DIR, "lab_stages.json", "workers")
 
 
 class Scorer:
