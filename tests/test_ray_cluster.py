@@ -195,8 +195,8 @@ def test_pico_lab_on_ray_matches_the_local_pool_with_a_node_killed_mid_expert(cl
 # --- search workers on Ray --------------------------------------------------------------------------
 
 def test_search_workers_as_ray_tasks_share_the_study(cluster, tmp_path):
-    """`python -m opd.merge --recipe R --workers 2 --ray ADDRESS`: two Ray tasks share the study, then
-    this process re-scores the finalists on test and writes the report."""
+    """`python -m opd.merge --recipe R --workers 2 --ray ADDRESS`: two Ray tasks share the study (a
+    `journal:` file storage), then this process re-scores the finalists on test and writes the report."""
     import optuna
     from test_merge_fakes import build_fake_lab, write_recipe
 
@@ -204,13 +204,16 @@ def test_search_workers_as_ray_tasks_share_the_study(cluster, tmp_path):
 
     c, _ = cluster
     lab = build_fake_lab(tmp_path / "lab")
-    path = write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", budget={"n_trials": 6})
+    journal = tmp_path / "out" / "study.journal"  # Optuna's JournalStorage: the multi-machine file storage
+    path = write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", budget={"n_trials": 6},
+                        storage=f"journal:{journal}")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([sys.executable, "-m", "opd.merge", "--recipe", str(path), "--no-live", "--workers", "2",
                         "--ray", c.address], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "results.json").read_text())
-    study = optuna.load_study(study_name=summary["study"], storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    study = optuna.load_study(study_name=summary["study"], storage=storage)
     done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     assert 6 <= len(done) <= 7 and len(summary["trials"]) == len(done)
     assert len({read(t).worker for t in done}) == 2  # both workers ran trials

@@ -20,14 +20,9 @@ def search_on_ray(recipe_path: str, overrides: list[str], recipe, workers: int, 
     ray = connect(address, "--ray")
     check_shared(ray, recipe.out_dir, "--ray")
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
-    try:  # Optuna makes its tables on first connect: once, here, not by N workers at once (optuna#2164)
-        import optuna
+    from opd.merge.search import study_storage
 
-        optuna.storages.RDBStorage(recipe.storage_url)
-    except Exception as e:
-        from opd.merge.search import _storage_error
-
-        raise _storage_error(recipe, "cannot open the study storage", e) from None
+    study_storage(recipe)  # Optuna makes its tables on first connect: once, here, not by N workers at once
     cmd = [sys.executable, "-m", "opd.merge", "--recipe", str(Path(recipe_path).resolve()), "--worker", "--no-live",
            *overrides]
     names = [f"worker{i}" for i in range(workers)]

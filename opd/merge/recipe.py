@@ -154,7 +154,8 @@ class MergeRecipe(BaseModel):
     final_candidates: int = Field(8, gt=0, description="most Pareto candidates re-scored on the test split")
     out: str | None = Field(None, description="run directory (default runs/merge/<name>)")
     storage: str | None = Field(None, description="Optuna storage URL (default sqlite in the run directory; "
-                                "an RDB URL such as postgresql://... lets several workers share the study)")
+                                "an RDB URL such as postgresql://... lets several workers share the study, and "
+                                "so does journal:<file> on a file system they all mount)")
     eval_batch_size: int = Field(200, gt=0, le=4096, description="prompts per generate call when scoring "
                                  "(200: less CPU time per candidate than 64 on the lab, same answers there)")
     threads: int = Field(1, gt=0, description="torch CPU threads")
