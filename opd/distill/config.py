@@ -162,6 +162,9 @@ class DistillConfig(BaseModel):
         if self.estimator == "topk" and self.topk is None:
             raise ValueError("estimator 'topk' needs topk: K, the number of the student's most likely tokens "
                              "per position (>= 1)")
+        if self.teachers_on == "ray" and self.sample_ahead and self.sample_worker == "process":
+            raise ValueError("teachers_on: ray with sample_ahead needs sample_worker: thread (a forked worker "
+                             "cannot call the teachers' Ray actors)")
         if self.adaptive_mix > 0 and self.eval_every == 0:
             raise ValueError("adaptive_mix reweights prompts after each retention check: set eval_every > 0")
         return self
