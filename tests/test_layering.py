@@ -23,6 +23,8 @@ FLOORS = {
     # 1 services: rollout engines, lm-eval scoring, capabilities, kernels, curves, the live display
     "opd.rollout": 1, "opd.evaluation": 1, "opd.capabilities": 1, "opd_kernels": 1, "opd.tracking": 1,
     "opd.display": 1, "opd.console": 1,
+    # where work runs: a local process or pool, or a Ray cluster (the layers above never import Ray)
+    "opd.cluster": 1,
     # the token layouts (torch alone): the rollout engine's packed prefill and the updates share them
     "opd.rl.packing": 1,
     # 2 core maths: the RL maths both loops share, weight-space merges

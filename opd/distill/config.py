@@ -25,6 +25,19 @@ class TeacherRef(BaseModel):
     weight: float = Field(1.0, gt=0, description="share of this teacher in its capability's KL target")
 
 
+class TeacherActors(BaseModel):
+    """How `teachers_on: ray` lays the teachers out over Ray actors (opd.distill.remote)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    address: str = Field("auto", description="the Ray cluster: 'auto', 'ray://host:port' or 'host:port'")
+    per_actor: int = Field(1, ge=1, description="teachers held by one actor (routed teachers in name order)")
+    replicas: dict[str, int] = Field(default_factory=dict, description="capability -> actors serving its "
+                                     "teachers (default 1): an over-provisioned capability's rows are split "
+                                     "between them")
+    resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0}, description="what each actor asks "
+                                        "of a node, e.g. {CPU: 4, GPU: 1} for a teacher on its own GPU")
+
+
 class DistillConfig(BaseModel):
     """How the student learns from its teachers. Every field has a default a pico model trains with."""
 
@@ -75,6 +88,13 @@ class DistillConfig(BaseModel):
         "stacked", description="'stacked': every in-process teacher scores its rows in one vectorised forward "
         "(torch.func.vmap over stacked weights) that also gives the full estimator's targets; 'loop': one forward "
         "per teacher, and another for the full estimator (the only way for SGLang teachers, taken automatically)")
+    teachers_on: Literal["local", "ray"] = Field(
+        "local", description="'local': teachers score in the student's process; 'ray': on Ray actors "
+        "(`teacher_actors`), each scoring the rows routed to it and returning what the estimator needs "
+        "(the sampled tokens' log-probs, or full-vocabulary log-probs for full and top-k); the student routes "
+        "the rows, gathers the answers and updates. The same losses to float rounding")
+    teacher_actors: TeacherActors | None = Field(None, description="actors, replicas and resources of "
+                                                 "teachers_on: ray (default: one actor per teacher, 1 CPU)")
     layout: Layout = Field("padded", description="how the student's update, the warm start and the stacked "
                            "teachers lay out token rows, and how the student prefills its prompts before sampling: 'padded' (one "
                            "right-padded row per sample, prompts left-padded) or 'packed' (no padding, a group's prompt "
@@ -145,6 +165,9 @@ class DistillConfig(BaseModel):
         if self.estimator == "topk" and self.topk is None:
             raise ValueError("estimator 'topk' needs topk: K, the number of the student's most likely tokens "
                              "per position (>= 1)")
+        if self.teachers_on == "ray" and self.sample_ahead and self.sample_worker == "process":
+            raise ValueError("teachers_on: ray with sample_ahead needs sample_worker: thread (a forked worker "
+                             "cannot call the teachers' Ray actors)")
         if self.adaptive_mix > 0 and self.eval_every == 0:
             raise ValueError("adaptive_mix reweights prompts after each retention check: set eval_every > 0")
         return self

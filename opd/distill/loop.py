@@ -226,7 +226,8 @@ def _topk_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, k: int, chunk
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
 # (e.g. more steps to extend it; not under a cosine schedule, whose every lr depends on `steps`).
 # sample_worker: a thread and a process sample the same batches from the same weights and prompt RNG.
-RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to", "sample_worker"}
+RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to", "sample_worker",
+                    "teachers_on", "teacher_actors"}  # where teachers score: the same targets to float rounding
 
 
 def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix, rng, state: DistillState,
@@ -415,7 +416,11 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     t0 = time.time() - state.elapsed
     routed = sorted({t for ts in routes.values() for t in ts})
     bank = None
-    if cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
+    if cfg.teachers_on != "local":  # the same bank and engines, served by actors (opd.distill.remote)
+        from opd.distill.remote import remote_teachers
+
+        teachers, bank = remote_teachers(cfg, teachers, routed, tokenizer, dtype if cast else None)
+    elif cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
         bank = TeacherBank(teachers, routed, dtype if cast else None)
 
     ahead = worker = None  # sample_ahead's batch in flight, and where it is sampled

@@ -49,6 +49,9 @@ class ExpertSpec(BaseModel):
     dtype: DtypeName = Field("auto", description="the policy's weights: 'float32', 'bfloat16' (the optimizer "
                              "then updates bf16 weights) or 'auto' (bfloat16 on a GPU that computes in it, else "
                              "float32)")
+    resources: dict[str, float] | None = Field(None, description="what the expert's Ray task asks of a node "
+                                               "when the lab runs on a cluster, e.g. {CPU: 4, GPU: 1} (default "
+                                               "{CPU: threads}); changes no weights: not part of the spec's identity")
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP + " (changes no weights: not part "
                                 "of the spec's identity)")
 
@@ -64,6 +67,11 @@ class ExpertSpec(BaseModel):
     def expert_name(self) -> str:
         return self.name or self.capability.replace(":", "_")
 
+    @property
+    def task_resources(self) -> dict[str, float]:
+        """The resources its cluster task asks for: `resources`, else one CPU per torch thread."""
+        return dict(self.resources) if self.resources is not None else {"CPU": float(self.threads)}
+
     def run_settings(self) -> GSPORun:
         """The GSPO loop's run settings for this spec. Its checkpoints record the spec, and a run
         resumes only a checkpoint of the same spec (`same_spec`)."""
@@ -77,10 +85,11 @@ class ExpertSpec(BaseModel):
 def same_spec(stored: dict | None, spec: ExpertSpec) -> bool:
     """Whether a spec recorded in a manifest or checkpoint is `spec`. The stored one is validated
     through today's model first, so a field added since (with its default) changes nothing; nor does
-    where the curves go (`report_to`), nor where it ran (`device`: a spec run on a GPU resumes on a CPU)."""
+    where the curves go (`report_to`), where it ran (`device`: a spec run on a GPU resumes on a CPU) nor
+    what a cluster task asks for (`resources`)."""
     try:
         return stored is not None and ExpertSpec.model_validate({**stored, "device": "cpu"}).model_copy(
-            update={"report_to": spec.report_to, "device": spec.device}) == spec
+            update={"report_to": spec.report_to, "device": spec.device, "resources": spec.resources}) == spec
     except Exception:
         return False
 

@@ -11,7 +11,7 @@ from opd.errors import cli_main
 
 LAB_DOC = """The tiny lab end to end: base -> GSPO experts -> merge search (merges, OPD) -> report.
 
-    opd lab [--recipe merge_recipes/lab.yaml] [--stages base,experts,merge] [--jobs N] [--seed S]
+    opd lab [--recipe merge_recipes/lab.yaml] [--stages base,experts,merge] [--jobs N] [--seed S] [--ray [ADDRESS]]
 
 Every stage is cached or resumable: rerunning recomputes only what changed.
 """
@@ -33,6 +33,9 @@ def lab_main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--seed", type=int, default=None, help="seed of the base's pre-training and of every expert "
                     "(default: the specs' own); another seed builds another lab, e.g. to check a result is not one "
                     "lucky draw")
+    ap.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                    help="train the experts as Ray tasks on the cluster at ADDRESS (default 'auto': the one "
+                    "`ray start` made on this machine; or ray://host:port, host:port); see docs/cluster.md")
     add_verbose_flag(ap)
     args = ap.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
@@ -40,7 +43,8 @@ def lab_main(argv: list[str] | None = None, prog: str | None = None) -> None:
     quiet_third_party(args.verbose)  # the expert runs it starts follow (OPD_VERBOSE)
     from opd.lab.pipeline import run_lab
 
-    run_lab(args.recipe, [s.strip() for s in args.stages.split(",") if s.strip()], jobs=args.jobs, seed=args.seed)
+    run_lab(args.recipe, [s.strip() for s in args.stages.split(",") if s.strip()], jobs=args.jobs, seed=args.seed,
+            ray=args.ray)
 
 
 @cli_main

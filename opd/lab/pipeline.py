@@ -59,10 +59,27 @@ def run_parallel(cmds: dict[str, list[str]], jobs: int, log_dir: Path, every: fl
                 if f.done() and n not in reported:
                     reported.add(n)
                     console.print(f"{n}: {state[n]} ({log_dir / n}.log)")
-    failed = [n for n in cmds if state[n] != "done"]
+    _raise_failed([n for n in cmds if state[n] != "done"], len(cmds), log_dir)
+
+
+def _raise_failed(failed: list[str], total: int, log_dir: Path) -> None:
     if failed:
         tails = "; ".join(f"{n}: {_last_line(log_dir / f'{n}.log')}" for n in failed)
-        raise OpdError(f"{len(failed)} of {len(cmds)} expert runs failed ({tails}); rerun to resume them")
+        raise OpdError(f"{len(failed)} of {total} expert runs failed ({tails}); rerun to resume them")
+
+
+def run_on_cluster(cluster, cmds: dict[str, list[str]], resources: dict[str, dict], log_dir: Path,
+                   outs: list[Path]) -> None:
+    """The experts stage on a Ray cluster (opd.cluster): refused in one line unless every node sees the
+    log directory and every expert's output directory; one task per expert with its spec's resources,
+    rerun from its checkpoint when its node dies."""
+    from opd.cluster import check_shared, connect, run_commands_on_ray
+
+    ray = connect(cluster.address, "cluster.address (train.cluster or --ray)")
+    for d in dict.fromkeys(Path(o).resolve().parent for o in [log_dir / "x", *outs]):
+        check_shared(ray, d, "cluster")
+    codes = run_commands_on_ray(cluster, cmds, resources, log_dir, log=console.print)
+    _raise_failed([n for n, rc in codes.items() if rc != 0], len(cmds), log_dir)
 
 
 def _last_step(path: Path) -> str:
@@ -118,8 +135,11 @@ def manifest_stamps(dirs) -> dict[str, int | None]:
     return stamps
 
 
-def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: int | None = None) -> None:
+def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: int | None = None,
+            ray: str | None = None) -> None:
     """Run the stages in order; `jobs` (experts trained at once) defaults to the recipe's train.jobs.
+    `ray` (an address, or 'auto') trains the experts on that Ray cluster whatever the recipe's
+    train.cluster says.
     `seed` (default: the specs' own) seeds the base's pre-training and every expert's training: a
     different seed is a different lab. The minutes of the base and experts stages go to
     <recipe out>/lab_stages.json, which the report's headline reads."""
@@ -171,7 +191,14 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         if seed is not None:
             overrides["seed"] = str(seed)
         jobs = jobs or recipe.train.jobs
-        if jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged)
+        cluster = recipe.train.cluster
+        if ray is not None:
+            cluster = cluster.model_copy(update={"engine": "ray", "address": ray})
+        if cluster.engine == "ray":  # one task per expert, with the resources its spec asks for
+            run_on_cluster(cluster, {n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
+                           {n: load_expert_spec(spec, **overrides).task_resources for n, (spec, _) in specs.items()},
+                           Path("runs") / "lab" / "logs", outs)
+        elif jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged)
             run_parallel({n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
                          jobs, Path("runs") / "lab" / "logs")
         else:

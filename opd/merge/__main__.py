@@ -1,4 +1,4 @@
-"""`python -m opd.merge --recipe merge_recipes/lab.yaml [--fresh] [--worker] [key=value ...]`
+"""`python -m opd.merge --recipe merge_recipes/lab.yaml [--fresh] [--worker | --workers N --ray [ADDRESS]] [key=value ...]`
 or `python -m opd.merge export <run dir> <trial> [--out DIR]` (one candidate as mergekit YAML + model)
 or `python -m opd.merge report <run dir>` (render a finished run's report again).
 
@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m opd.merge") -> No
                     "continues the study where it stopped")
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for scripts
     ap.add_argument("--worker", action="store_true", help="join a shared study (RDB storage) as one more worker")
+    ap.add_argument("--workers", type=int, default=None, metavar="N", help="with --ray: start N search workers "
+                    "as Ray tasks sharing the study, then re-score the finalists and write the report here")
+    ap.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                    help="the Ray cluster of --workers ('auto': the one `ray start` made here; ray://host:port or "
+                    "host:port); see docs/cluster.md")
     ap.add_argument("--no-live", action="store_true", help="no live progress table")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. budget.n_trials=20")
     add_verbose_flag(ap)
@@ -41,6 +46,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m opd.merge") -> No
     recipe = load_recipe(args.recipe, args.overrides)
     if args.fresh and args.worker:
         ap.error("--fresh deletes the shared study: start it over from one process, then add --worker ones")
+    if (args.workers is None) != (args.ray is None) or args.worker and args.ray is not None:
+        ap.error("--workers N and --ray [ADDRESS] go together (N workers as Ray tasks), without --worker")
+    if args.workers is not None and args.workers < 1:
+        ap.error("--workers: give 1 or more")
+    if args.ray is not None:  # the workers search on the cluster; this process then writes the report
+        from opd.merge.cluster import search_on_ray
+
+        if args.fresh:
+            ap.error("--fresh with --workers: start the study over on this machine first (--fresh alone)")
+        naming_file(args.recipe, search_on_ray, args.recipe, args.overrides, recipe, args.workers, args.ray)
     naming_file(args.recipe, run_recipe, recipe, resume=not args.fresh, worker=args.worker, live=not args.no_live,
                 fresh=args.fresh)
 

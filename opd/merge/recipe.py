@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from opd.cluster import ClusterSettings
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.distill.config import DistillConfig
@@ -107,6 +108,9 @@ class LabTraining(BaseModel):
                                          "the experts as paths (experts/lab10/add) so that such experts get "
                                          "their own directory and never replace the default versions")
     jobs: int = Field(1, gt=0, description="experts trained at once, one process each (--jobs overrides)")
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings, description="where the experts train: "
+                                     "{engine: local} (default, `jobs` at once) or {engine: ray, address: auto | "
+                                     "ray://host:port | host:port} (one Ray task per expert; --ray overrides)")
     base: dict[str, Scalar] = Field(default_factory=dict, description="overrides of the lab's base spec "
                                     "(opd/lab/base.yaml) for the lab's base stage, which builds the recipe's "
                                     "`base` directory, e.g. {tokenizer: bpe} for a BPE lab; checked against "
@@ -155,7 +159,8 @@ class MergeRecipe(BaseModel):
     final_candidates: int = Field(8, gt=0, description="most Pareto candidates re-scored on the test split")
     out: str | None = Field(None, description="run directory (default runs/merge/<name>)")
     storage: str | None = Field(None, description="Optuna storage URL (default sqlite in the run directory; "
-                                "an RDB URL such as postgresql://... lets several workers share the study)")
+                                "an RDB URL such as postgresql://... lets several workers share the study, and "
+                                "so does journal:<file> on a file system they all mount)")
     eval_batch_size: int = Field(200, gt=0, le=4096, description="prompts per generate call when scoring "
                                  "(200: less CPU time per candidate than 64 on the lab, same answers there)")
     threads: int = Field(1, gt=0, description="torch CPU threads")

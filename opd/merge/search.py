@@ -42,7 +42,7 @@ from opd.weights.layers import LayerValues
 from opd.weights.merge import Candidate
 
 # What an existing run directory of a merge recipe holds (one of them at least).
-RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", RUNS_DIR, "lab_stages.json")
+RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", RUNS_DIR, "lab_stages.json", "workers")
 
 
 class Scorer:
@@ -226,14 +226,7 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        # SQLite lets one writer in at a time and, by default, gives up after 5 s ("database is locked"):
-        # workers on a loaded machine wait longer than that for each other, so they wait up to a minute.
-        engine = {"connect_args": {"timeout": 60}} if recipe.storage_url.startswith("sqlite") else None
-        storage = optuna.storages.RDBStorage(recipe.storage_url, engine_kwargs=engine,
-                                             heartbeat_interval=30, grace_period=120)
-    except Exception as e:  # a wrong URL, an unreachable server, a refused login
-        raise _storage_error(recipe, "cannot open the study storage", e) from None
+    storage = study_storage(recipe)
     summary = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
     exists = summary is not None
     if exists and not (resume or worker):
@@ -272,6 +265,27 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
     return study
 
 
+JOURNAL = "journal:"
+
+
+def study_storage(recipe: MergeRecipe):
+    """The recipe's Optuna storage: an RDB (SQLite, PostgreSQL, ...), or `journal:<path>`, Optuna's
+    JournalStorage on a file (optuna/storages/journal/_file.py: appends under a lock file, so workers on
+    several machines can share it over a shared file system, where SQLite's locks are unreliable)."""
+    url = recipe.storage_url
+    try:
+        if url.startswith(JOURNAL):
+            from optuna.storages.journal import JournalFileBackend
+
+            return optuna.storages.JournalStorage(JournalFileBackend(str(Path(url.removeprefix(JOURNAL)).resolve())))
+        # SQLite lets one writer in at a time and, by default, gives up after 5 s ("database is locked"):
+        # workers on a loaded machine wait longer than that for each other, so they wait up to a minute.
+        engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=30, grace_period=120)
+    except Exception as e:  # a wrong URL, an unreachable server, a refused login
+        raise _storage_error(recipe, "cannot open the study storage", e) from None
+
+
 # A worker tags its trial with itself (user attr "worker") first thing after Optuna creates it, but
 # the two are separate writes: a RUNNING trial without the tag is either just created by a live worker
 # or cut short before it could tag. --resume waits this long for the tag before taking the latter.
@@ -294,6 +308,8 @@ def _abandoned(t: optuna.trial.FrozenTrial, storage, study: optuna.Study, deadli
         return True  # killed before it recorded its worker
     if host == socket.gethostname() and pid.isdigit():
         return not _pid_alive(int(pid))
+    if not hasattr(storage, "_get_stale_trial_ids"):  # a journal keeps no heartbeats: kept, as if alive
+        return False
     return t._trial_id in set(storage._get_stale_trial_ids(study._study_id))
 
 
@@ -480,7 +496,7 @@ def _storage_error(recipe: MergeRecipe, what: str, e: Exception) -> OpdError:
 def _start_over(recipe: MergeRecipe, name: str, log) -> None:
     """--fresh: delete the study `name` from the recipe's storage and the OPD students trained for it."""
     try:
-        optuna.delete_study(study_name=name, storage=recipe.storage_url)
+        optuna.delete_study(study_name=name, storage=study_storage(recipe))
         log(f"--fresh: deleted study {name!r} from {recipe.storage_label}")
     except KeyError:
         pass  # no such study yet
