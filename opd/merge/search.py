@@ -46,7 +46,8 @@ RUN_DIR_MARKERS = ("current.json", "study.db", "results.json", RUNS_DIR, "lab_st
 class Scorer:
     """Scores state dicts on one reusable model object (no model rebuilt, no subprocess)."""
 
-    def __init__(self, inputs: MergeInputs, batch_size: int):
+    def __init__(self, inputs: MergeInputs, batch_size: int, scoring=None):
+        self.scoring = scoring  # recipe.scoring: vllm / sglang score each candidate from disk
         self.model = inputs.base_model
         self.base_sd = inputs.base_sd
         self.tokenizer, self.caps, self.batch_size = inputs.tokenizer, inputs.capabilities, batch_size
@@ -55,6 +56,11 @@ class Scorer:
     def score(self, sd: dict, split: str, limit: int | None = None, caps: list[str] | None = None) -> dict[str, Score]:
         self.model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
         self.calls += 1
+        if self.scoring is not None and self.scoring.backend != "hf":
+            from opd.evaluation.backends import evaluate_on_disk
+
+            return evaluate_on_disk(self.model, self.tokenizer, self.scoring, caps or self.caps, split, limit,
+                                    state_dict_hash(self.model))
         return evaluate(self.model, self.tokenizer, caps or self.caps, split, limit=limit,
                         batch_size=self.batch_size, model_hash=state_dict_hash(self.model))
 
@@ -507,7 +513,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
                        name=name, warm=warm, log=log)
     if warm:
         log(f"inputs changed since study {warm[0]}: new study {name}, starting from its {len(warm[1])} best settings")
-    scorer = Scorer(inputs, recipe.eval_batch_size)
+    scorer = Scorer(inputs, recipe.eval_batch_size, recipe.scoring)
     log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
     refs = score_references(inputs, scorer, recipe.screening.limit)
     left_out = [c for c in inputs.capabilities if c not in refs.counted]
@@ -535,6 +541,8 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
                                for e, p in inputs.expert_paths.items()}},
         "objectives": objective_names(recipe, inputs.capabilities),
         "counted": refs.counted,
+        # lm-eval tasks whose val/test are a hash split of one split (the report says so)
+        "split_rules": {c: s.split_rule for c, s in refs.base["test"].items() if s.split_rule},
         "trials": [{"number": t.number, "values": t.values, "params": t.params, **trials.read(t).fields()}
                    for t in finished(study)],
         "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}
