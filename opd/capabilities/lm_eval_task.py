@@ -111,9 +111,10 @@ def task_info(name: str, include_path: str | None, manager) -> TaskInfo:
     entry = manager.task_index.get(name)
     where = str(entry.yaml_path) if entry and entry.yaml_path else "lm-eval"
     if entry is None:
-        raise OpdError(f"unknown task {name!r}: not an opd capability (or 'rg:<task>') nor an lm-eval task"
-                       f"{f' in include_path {include_path}' if include_path else ''} or among lm-eval's stock "
-                       "tasks; put its task YAML in a directory and set include_path to it")
+        where = f"in include_path {include_path} nor " if include_path else ""
+        raise OpdError(f"unknown task {name!r}: not an opd capability (nor 'rg:<task>'), not an lm-eval task "
+                       f"{where}among lm-eval's stock tasks; put its task YAML in a directory and set "
+                       "include_path to it")
     if entry.kind not in (Kind.TASK, Kind.PY_TASK) or entry.cfg is None:
         raise OpdError(f"lm-eval name {name!r} ({where}) is a {entry.kind.name.lower()}, not a task; name its "
                        "tasks one by one")
@@ -178,7 +179,7 @@ class _Loaded:
 
     tasks: dict[str, object]  # opd split -> the Task scored for it
     indices: dict[str, list[int]]  # opd split -> indices into that Task's eval_docs
-    train: list[dict]
+    docs: dict[str, list[dict]]  # opd split (val, test, train) -> its docs
     by_prompt: dict[str, dict] = field(default_factory=dict)
     by_key: dict[str, dict] = field(default_factory=dict)
 
@@ -211,22 +212,24 @@ def _load(info: TaskInfo) -> _Loaded:
         indices = {s: list(range(len(t.eval_docs))) for s, t in tasks.items()}
         train = list(task.training_docs()) if info.training_split else []
     else:
-        docs = list(task.eval_docs)
+        every = list(task.eval_docs)
         buckets = BUCKETS_WITH_TRAIN if info.training_split else BUCKETS_NO_TRAIN
-        by_bucket = [doc_bucket(d) for d in docs]
+        by_bucket = [doc_bucket(d) for d in every]
         indices = {s: [i for i, b in enumerate(by_bucket) if b in buckets[s]] for s in ("val", "test")}
         tasks = {"val": task, "test": task}
         train = (list(task.training_docs()) if info.training_split
-                 else [d for d, b in zip(docs, by_bucket) if b in buckets["train"]])
-    loaded = _Loaded(tasks, indices, train)
+                 else [d for d, b in zip(every, by_bucket) if b in buckets["train"]])
+    docs = {}
     for s in ("val", "test"):
-        docs = list(tasks[s].eval_docs)
-        for i in indices[s]:
-            loaded.by_key[doc_key(docs[i])] = docs[i]
-    for d in train:
+        every = list(tasks[s].eval_docs)
+        docs[s] = [every[i] for i in indices[s]]
+    loaded = _Loaded(tasks, indices, {**docs, "train": train})
+    for d in (d for split_docs in loaded.docs.values() for d in split_docs):
         loaded.by_key[doc_key(d)] = d
     for d in loaded.by_key.values():
-        loaded.by_prompt.setdefault(_text(task, d), d)
+        text = task.doc_to_text(d)  # not text for multiple-input tasks: those cannot give training prompts
+        if isinstance(text, str):
+            loaded.by_prompt.setdefault(text, d)
     _LOADED[info] = loaded
     return loaded
 
@@ -276,11 +279,7 @@ class LmEvalTaskCapability(Capability):
         return loaded.tasks[split], loaded.indices[split]
 
     def _docs(self, split: str) -> list[dict]:
-        loaded = _load(self.info)
-        if split == "train":
-            return loaded.train
-        docs = list(loaded.tasks[split].eval_docs)
-        return [docs[i] for i in loaded.indices[split]]
+        return _load(self.info).docs[split]
 
     def _item(self, doc: dict) -> Item:
         return Item(self.name, _text(_load(self.info).tasks["test"], doc), doc_key(doc))

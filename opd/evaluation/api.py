@@ -30,8 +30,7 @@ from opd.io import atomic_write_json, state_dict_hash
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-EVAL_VERSION = "2"  # bump when held-out data, prompts or metrics change: invalidates caches
-# 2: rg: prompts carry reasoning-gym's answer-format instruction and stop at eos, not "\n"
+EVAL_VERSION = "1"  # bump when held-out data, prompts or metrics change: invalidates caches
 
 
 @dataclass(frozen=True)
@@ -119,6 +118,9 @@ def _cache_name(cap, tokenizer, split: str, limit: int | None) -> str:
 
     # A chat-templated prompt depends on the tokenizer's template, which the weights' hash does not cover.
     chat = f"-c{text_hash(tokenizer.chat_template)[:8]}" if _chat(cap, tokenizer) else ""
+    # rg: prompts gained an instruction and lost the "\n" stop: their own key, opd's tasks keep theirs
+    if cap.instruction:
+        chat += f"-i{text_hash(cap.instruction + repr(cap.until))[:8]}"
     if getattr(cap, "lm_eval", False):
         info = text_hash(json.dumps(asdict(cap.info), sort_keys=True))[:8]
         return f"lmeval-{cap.name.replace('/', '_')}-{info}-{split}-{limit or 'all'}{chat}-v{EVAL_VERSION}.json"
