@@ -329,3 +329,31 @@ def test_byo_recipe_runs_the_search(byo, tmp_path):
     run_recipe(load_recipe(p))
     report = (tmp_path / "run" / "report.md").read_text()
     assert "byo_arith" in report and "hash split" in report
+
+
+def test_multiple_choice_task_with_validation_and_test_splits(tmp_path):
+    """A log-likelihood task with both splits: they are used as they are, lm-eval's default metric
+    (acc) is the primary one, and there is no verifier."""
+    import json
+
+    from opd.capabilities.lm_eval_task import resolve_tasks
+    from opd.evaluation.api import evaluate
+    from opd.lab.pico import build_trained_pico
+
+    d = tmp_path / "tasks"
+    d.mkdir()
+    for split, n in (("validation", 6), ("test", 9)):
+        rows = [{"q": f"{i}+1=", "choices": [str(i + 1), str(i + 2)], "label": 0} for i in range(n)]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "mc_add.yaml").write_text(
+        f"task: mc_add\ndataset_path: json\ndataset_kwargs: {{data_files: {{validation: {tmp_path}/validation.jsonl, "
+        f"test: {tmp_path}/test.jsonl}}}}\nvalidation_split: validation\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: label\n")
+    resolve_tasks(["mc_add"], str(d))
+    cap = get_capability("mc_add")
+    assert (cap.info.metric, cap.info.filter, cap.verifiable) == ("acc", "none", False)
+    assert cap.split_rule == "val = its 'validation' split, test = its 'test' split"
+    assert cap.verify("anything", cap.items("val", 1)[0].answer) == 0.0
+    model, tok = _model(build_trained_pico(tmp_path / "m", "add", steps=1))
+    val, test = (evaluate(model, tok, ["mc_add"], s, use_cache=False)["mc_add"] for s in ("val", "test"))
+    assert (val.n, test.n) == (6, 9) and 0 <= val.score <= 1 and math.isfinite(test.stderr)

@@ -258,7 +258,7 @@ def _no_generate(rng, difficulty):  # pragma: no cover - sample/items are overri
 class LmEvalTaskCapability(Capability):
     """An lm-eval task as a capability. `items`/`sample` draw docs; `verify` runs the task's own
     filters and process_results on one doc (generate_until tasks only: `verifiable` is False for a
-    task scored by log-likelihoods, whose verifier cannot score a sampled completion)."""
+    task scored by log-likelihoods, which cannot score a sampled completion; its `verify` gives 0)."""
 
     info: TaskInfo | None = None
     lm_eval: bool = True
@@ -313,7 +313,10 @@ def _verify(info: TaskInfo, completion: str, answer: str) -> float:
     """The task's primary metric on one completion: its first filter pipeline, then its
     process_results, as lm-eval's evaluator scores a doc (lm_eval/evaluator.py, api/filter.py)."""
     if info.output_type != "generate_until":
-        raise OpdError(f"lm-eval task {info.name!r} ({info.output_type}) has no verifier for sampled completions")
+        # Scored by log-likelihoods: no score for a sampled completion. A constant reward gives
+        # group-normalised advantages of 0 (no signal), where raising would stop an OPD run that
+        # only distils this task from its teachers.
+        return 0.0
     loaded = _load(info)
     doc = loaded.by_key.get(answer)
     if doc is None:
