@@ -357,3 +357,31 @@ def test_multiple_choice_task_with_validation_and_test_splits(tmp_path):
     model, tok = _model(build_trained_pico(tmp_path / "m", "add", steps=1))
     val, test = (evaluate(model, tok, ["mc_add"], s, use_cache=False)["mc_add"] for s in ("val", "test"))
     assert (val.n, test.n) == (6, 9) and 0 <= val.score <= 1 and math.isfinite(test.stderr)
+
+
+def test_report_says_which_tasks_were_hash_split(tmp_path):
+    from types import SimpleNamespace
+
+    from opd.evaluation.api import Score
+    from opd.merge.interference import interference_matrix, to_records
+    from opd.merge.report import write_report
+
+    rows = {"#0 linear": {"byo_arith": 0.5, "sort": 0.6}, "base": {"byo_arith": 0.1, "sort": 0.1},
+            "expert arith": {"byo_arith": 0.8, "sort": 0.1}, "expert sort": {"byo_arith": 0.1, "sort": 0.9}}
+    scores = {r: {c: Score(v, 0.01, 100) for c, v in s.items()} for r, s in rows.items()}
+    cells = interference_matrix(scores, {"byo_arith": 0.8, "sort": 0.9}, rows["base"], "test")
+    cand = {"strategy": "linear", "shared": {}, "per_model": {}, "seed": 0}
+    rule = "val/test = a sha256 hash split (50/50) of its 'test' docs"
+    summary = {
+        "inputs": {"base": {"path": "b", "content_hash": "h"},
+                   "experts": {"arith": {"path": "a", "content_hash": "a", "capability": "byo_arith"},
+                               "sort": {"path": "s", "content_hash": "s", "capability": "sort"}}},
+        "objectives": ["min_retention"], "best": "#0 linear", "counted": ["byo_arith", "sort"],
+        "trials": [{"number": 0, "stage": "full", "candidate": cand, "min_retention": 0.625,
+                    "retention": {"byo_arith": 0.625, "sort": 0.667}}],
+        "final": {"#0 linear": {"trial": 0, "candidate": cand, "label": "linear"}},
+        "matrix": {"test": to_records(cells)}, "split_rules": {"byo_arith": rule},
+    }
+    write_report(SimpleNamespace(out_dir=tmp_path, name="t"), summary, {"test": cells, "val": cells})
+    assert f"Splits: `byo_arith`: {rule}." in (tmp_path / "report.md").read_text()
+    assert "byo_arith</code>: val/test = a sha256 hash split" in (tmp_path / "report.html").read_text()
