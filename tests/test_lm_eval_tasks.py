@@ -385,3 +385,28 @@ def test_report_says_which_tasks_were_hash_split(tmp_path):
     write_report(SimpleNamespace(out_dir=tmp_path, name="t"), summary, {"test": cells, "val": cells})
     assert f"Splits: `byo_arith`: {rule}." in (tmp_path / "report.md").read_text()
     assert "byo_arith</code>: val/test = a sha256 hash split" in (tmp_path / "report.html").read_text()
+
+
+def test_search_scores_an_lm_eval_task_end_to_end(byo, tmp_path, monkeypatch):
+    """The merge search on `tasks:` naming an include_path task and an opd capability (experts with
+    manifests here): interference matrix, retention and report key on the lm-eval task's name."""
+    import json
+
+    import yaml
+
+    from opd.lab.pico import build_fake_lab
+    from opd.merge import load_recipe, run_recipe
+
+    monkeypatch.setenv("OPD_CACHE", str(tmp_path / "cache"))
+    lab = build_fake_lab(tmp_path / "lab", capabilities=("add", "sort"), base=byo["base"])
+    doc = {"name": "t", "base": str(lab["base"]), "experts": [str(p) for p in lab["experts"].values()],
+           "tasks": ["byo_arith", "sort"], "include_path": byo["include_path"],
+           "strategies": {"linear": {"weight": [0.2, 1.0]}}, "budget": {"n_trials": 2}, "sampler": "random",
+           "out": str(tmp_path / "out"), "screening": {"limit": 4, "margin": 0.5, "warmup": 1},
+           "final_candidates": 1, "eval_batch_size": 64}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(doc))
+    run_recipe(load_recipe(tmp_path / "r.yaml"), live=False, log=lambda *a: None)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {c["capability"] for c in results["matrix"]["test"]} == {"byo_arith", "sort"}
+    assert list(results["split_rules"]) == ["byo_arith"]
+    assert "hash split" in (tmp_path / "out" / "report.md").read_text()
