@@ -68,11 +68,9 @@ def test_task_resolves_with_primary_metric_and_hash_split(byo):
 
 
 def test_verify_runs_the_tasks_filter_and_metric(byo):
-    from opd.capabilities.lm_eval_task import _load
-
     cap = get_capability("byo_arith")
     it = cap.items("val", 1)[0]
-    doc = _load(cap.info).by_key[it.answer]
+    doc = cap.doc(it.answer)
     assert cap.verify(" " + doc["answer"], it.answer) == 1.0  # "a+b=c #### c": regex, then exact_match
     assert cap.verify(doc["answer"].split("####")[0], it.answer) == 0.0  # no "####": the strict filter fails
     assert cap.verify("1+1=2 #### 99999", it.answer) == 0.0
@@ -410,3 +408,31 @@ def test_search_scores_an_lm_eval_task_end_to_end(byo, tmp_path, monkeypatch):
     assert {c["capability"] for c in results["matrix"]["test"]} == {"byo_arith", "sort"}
     assert list(results["split_rules"]) == ["byo_arith"]
     assert "hash split" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_on_disk_scoring_scores_the_written_candidate_once(byo, tmp_path, monkeypatch):
+    """The vllm / sglang path on CPU, with lm-eval's HF model type standing in for the engine: the
+    candidate written to disk scores as the in-process model does, and a cached score starts no engine."""
+    from lm_eval.models.huggingface import HFLM
+
+    from opd.evaluation import backends
+    from opd.evaluation.api import evaluate
+    from opd.io import state_dict_hash
+    from opd.merge.recipe import Scoring
+
+    monkeypatch.setenv("OPD_CACHE", str(tmp_path / "cache"))
+    started = []
+
+    def engine(scoring, path, seed=0):
+        started.append(scoring.backend)
+        m, t = _model(path)
+        return HFLM(pretrained=m, tokenizer=t, batch_size=64, device="cpu")
+
+    monkeypatch.setattr(backends, "make_lm", engine)
+    model, tok = _model(byo["experts"]["arith"]["path"])
+    scoring = Scoring.model_construct(backend="vllm")
+    on_disk = backends.evaluate_on_disk(model, tok, scoring, ["byo_arith"], "val", 12, state_dict_hash(model))
+    assert started == ["vllm"]
+    assert on_disk == evaluate(model, tok, ["byo_arith"], "val", limit=12, use_cache=False)
+    backends.evaluate_on_disk(model, tok, scoring, ["byo_arith"], "val", 12, state_dict_hash(model))
+    assert started == ["vllm"]  # cached: no second engine

@@ -281,6 +281,10 @@ class LmEvalTaskCapability(Capability):
     def _docs(self, split: str) -> list[dict]:
         return _load(self.info).docs[split]
 
+    def doc(self, answer: str) -> dict | None:
+        """The doc an item of this capability was drawn from (its `answer` is the doc's key)."""
+        return _load(self.info).by_key.get(answer)
+
     def _item(self, doc: dict) -> Item:
         return Item(self.name, _text(_load(self.info).tasks["test"], doc), doc_key(doc))
 

@@ -71,11 +71,34 @@ def evaluate_on_disk(model, tokenizer, scoring, capabilities: list[str], split: 
     there with the backend's engine; the cache works as for hf (keyed by `model_hash`)."""
     from opd.evaluation.api import evaluate
 
+    made = []
+
     with tempfile.TemporaryDirectory(prefix="opd-candidate-") as tmp:
         def factory():  # only when a score is not cached: an engine takes a while to start
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            return make_lm(scoring, tmp)
+            made.append(make_lm(scoring, tmp))
+            return made[-1]
 
-        return evaluate(model, tokenizer, capabilities, split, limit=limit, model_hash=model_hash,
-                        lm_factory=factory)
+        try:
+            return evaluate(model, tokenizer, capabilities, split, limit=limit, model_hash=model_hash,
+                            lm_factory=factory)
+        finally:
+            _release(made)
+
+
+def _release(made: list) -> None:
+    """Free the engine's GPU memory before the next candidate starts one (not checked on a GPU here:
+    SGLang's Engine has shutdown(); vLLM's LLM frees its memory when collected)."""
+    import gc
+
+    import torch
+
+    for lm in made:
+        engine = getattr(lm, "model", None)
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+    made.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -62,12 +62,9 @@ def training_pairs(task: str, tokenizer, n: int, seed: int, include_path: str | 
 
     resolve_tasks([task], include_path)
     cap = get_capability(task)
-    if getattr(cap, "lm_eval", False):
-        from opd.capabilities.lm_eval_task import _load
-
-        by_key = _load(cap.info).by_key
+    if getattr(cap, "lm_eval", False):  # the item's answer is its doc's key; the doc holds the full answer
         items = cap.items("train", n, seed)
-        return [(cap.render(it.prompt, tokenizer), " " + by_key[it.answer]["answer"] + "\n") for it in items]
+        return [(cap.render(it.prompt, tokenizer), " " + cap.doc(it.answer)["answer"] + "\n") for it in items]
     return [(cap.render(it.prompt, tokenizer), it.answer + "\n") for it in cap.items("train", n, seed)]
 
 
