@@ -20,6 +20,17 @@ CHAT = ("{% for m in messages %}[{{ m['role'][0] }}]{{ m['content'] }}{% endfor 
         "{% if add_generation_prompt %}>{% endif %}")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _unregister():
+    """Leave the capability registry as this module found it: later tests list opd's own capabilities."""
+    from opd.capabilities import _REGISTRY
+
+    before = dict(_REGISTRY)
+    yield
+    _REGISTRY.clear()
+    _REGISTRY.update(before)
+
+
 @pytest.fixture(scope="module")
 def byo(tmp_path_factory):
     """The BYO path at a tiny size: a pico base, the GSM8K-format task, two experts fine-tuned with
