@@ -96,7 +96,8 @@ def _metric(name: str, cfg: dict, where: str) -> tuple[str, bool | None]:
     metric = first["metric"]
     if not isinstance(metric, str):
         raise OpdError(f"lm-eval task {name!r} ({where}): its first metric is not a name ({metric!r})")
-    metric = metric.removeprefix("!function ").strip()
+    if "/" in metric:  # an unresolved `!function utils.f` reads as "<dir>/utils.f"; lm-eval keys it by f.__name__
+        metric = metric.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
     if metric in NON_NUMERIC or first.get("aggregation") in NON_NUMERIC:
         raise OpdError(f"lm-eval task {name!r} ({where}): its primary metric {metric!r} is not numeric; "
                        "put a numeric metric first in its metric_list")
