@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 from opd.errors import OpdError
+from opd.io import atomic_dir, atomic_write_text
 
 REPO_BYO = Path(__file__).resolve().parents[2] / "evals" / "byo"
 TASK = "byo_arith"
@@ -48,9 +50,9 @@ def write_task(out: Path, n_train: int, n_test: int, seed: int = 0) -> Path:
     data.mkdir(parents=True, exist_ok=True)
     tasks.mkdir(parents=True, exist_ok=True)
     for split, part in (("train", rows[:n_train]), ("test", rows[n_train:])):
-        (data / f"{TASK}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+        atomic_write_text(data / f"{TASK}_{split}.jsonl", "".join(json.dumps(r) + "\n" for r in part))
     text = (REPO_BYO / f"{TASK}.yaml").read_text().replace("runs/byo/data", str(data.resolve()))
-    (tasks / f"{TASK}.yaml").write_text(text)
+    atomic_write_text(tasks / f"{TASK}.yaml", text)
     return tasks
 
 
@@ -94,13 +96,16 @@ def finetune(base: Path, out: Path, pairs: list[tuple[str, str]], steps: int, se
             attn[i, : len(r["input_ids"])] = 1
         return {"input_ids": ids, "labels": labels, "attention_mask": attn}
 
-    args = TrainingArguments(output_dir=str(out / ".trainer"), max_steps=steps, per_device_train_batch_size=batch_size,
-                             learning_rate=lr, lr_scheduler_type="constant", use_cpu=not torch.cuda.is_available(),
-                             report_to=[], save_strategy="no", logging_strategy="no", seed=seed,
-                             disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0)
-    Trainer(model=model, args=args, train_dataset=rows, data_collator=collate).train()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    with atomic_dir(out) as tmp:  # an interrupted run leaves no half-written expert
+        args = TrainingArguments(
+            output_dir=str(tmp / ".trainer"), max_steps=steps, per_device_train_batch_size=batch_size,
+            learning_rate=lr, lr_scheduler_type="constant", use_cpu=not torch.cuda.is_available(), report_to=[],
+            save_strategy="no", logging_strategy="no", seed=seed, disable_tqdm=True, remove_unused_columns=False,
+            dataloader_num_workers=0)
+        Trainer(model=model, args=args, train_dataset=rows, data_collator=collate).train()
+        shutil.rmtree(tmp / ".trainer", ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
     return out
 
 
