@@ -23,7 +23,19 @@ def test_lab_base_spec_loads():
 
 def test_every_yaml_is_covered():
     """A new YAML folder needs a loader test: this lists the ones that have one."""
-    covered = {"merge_recipes", "merge_recipes/distill", "merge_recipes/distill/lab10_ablations", "experts", "evals", "opd/lab"}
+    covered = {"merge_recipes", "merge_recipes/distill", "merge_recipes/distill/lab10_ablations", "experts", "evals", "evals/byo",
+               "opd/lab"}
     folders = {str(p.parent.relative_to(ROOT)) for p in ROOT.rglob("*.yaml")
                if not any(part.startswith(".") or part in ("runs", "build") for part in p.relative_to(ROOT).parts)}
     assert folders <= covered, folders - covered
+
+
+def test_byo_tasks_index_with_a_usable_metric():
+    """evals/byo's task YAMLs resolve in lm-eval's index with the metric opd scores (no data loads)."""
+    from opd.capabilities.lm_eval_task import task_info, task_manager
+
+    d = ROOT / "evals" / "byo"
+    manager = task_manager(str(d), False)
+    for path in d.glob("*.yaml"):
+        info = task_info(path.stem, str(d), manager)
+        assert (info.metric, info.filter) == ("exact_match", "strict-match") and not info.include_defaults

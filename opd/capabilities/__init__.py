@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opd.capabilities.base import EVAL_SPLITS, SPLIT_BUCKETS, Capability, Item, exact_reward
+from opd.capabilities.base import EVAL_SPLITS, SPLIT_BUCKETS, Capability, Item, exact_reward, prompt_texts
 from opd.capabilities.builtin import BUILTIN
 from opd.errors import OpdError
 
@@ -39,5 +39,5 @@ for _cap in BUILTIN:
 
 __all__ = [
     "Capability", "Item", "EVAL_SPLITS", "SPLIT_BUCKETS", "exact_reward",
-    "get_capability", "list_capabilities", "register",
+    "get_capability", "list_capabilities", "prompt_texts", "register",
 ]

@@ -30,6 +30,19 @@ def exact_reward(completion: str, answer: str) -> float:
     return float(completion.split("\n", 1)[0].strip() == answer.strip())
 
 
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """`messages` rendered for generation, as lm-eval's HFLM.apply_chat_template renders them
+    (lm_eval/models/huggingface.py: tokenize=False, add_generation_prompt=True)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_texts(items, tokenizer) -> list[str]:
+    """The texts an engine samples `items` from: each capability renders its own prompts."""
+    from opd.capabilities import get_capability
+
+    return [get_capability(it.capability).render(it.prompt, tokenizer) for it in items]
+
+
 @dataclass(frozen=True)
 class Capability:
     """`generate(rng, difficulty) -> (prompt, answer)`; `verify(completion, answer) -> [0, 1]`."""
@@ -43,6 +56,26 @@ class Capability:
     # Size of the prompt space at the default difficulty (None: effectively unbounded); used to
     # refuse eval sizes a split cannot hold.
     prompt_space: int | None = None
+    # Prompts are rendered with the tokenizer's chat template (where it has one) for training and
+    # for lm-eval (apply_chat_template). opd's own compact tasks are raw text: False.
+    chat: bool = False
+    # An instruction given before every prompt: the system message under a chat template, else
+    # prepended (lm-eval's task `description`, rendered the same way for training and scoring).
+    instruction: str = ""
+    # The strings lm-eval's generation stops at besides the tokenizer's eos, which it always adds
+    # (lm_eval/models/utils.py handle_stop_sequences); training stops at the model's eos ids.
+    until: tuple[str, ...] = ("\n",)
+    # False: `verify` cannot score a completion (an lm-eval task whose metric needs log-likelihoods);
+    # the capability can be scored and distilled from teachers, but gives no reward.
+    verifiable: bool = True
+
+    def render(self, prompt: str, tokenizer) -> str:
+        """The text a model is given for `prompt`, as lm-eval builds a zero-shot context
+        (lm_eval/api/task.py fewshot_context): the instruction as a system turn, then the prompt."""
+        if self.chat and getattr(tokenizer, "chat_template", None):
+            system = [{"role": "system", "content": self.instruction}] if self.instruction else []
+            return chat_prompt(tokenizer, [*system, {"role": "user", "content": prompt}])
+        return self.instruction + prompt
 
     def split_of(self, prompt: str) -> str:
         bucket = int(hashlib.sha256(f"{self.name}|{prompt}".encode()).hexdigest()[:8], 16) % 100

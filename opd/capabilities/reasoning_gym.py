@@ -13,10 +13,15 @@ def reasoning_gym_capability(task: str, pool: int = 2000) -> Capability:
 
     Items are drawn from a seeded pool of `pool` entries; the answer stored with an item is the
     dataset's reference answer, and `verify` scores with the dataset's scorer against the entry.
+
+    Prompts carry reasoning-gym's own answer-format instruction (`SYSTEM_PROMPTS["default"]` in
+    reasoning_gym/utils.py: answer inside <answer></answer>), as the system turn of the chat template
+    where the tokenizer has one. Training and lm-eval both stop at the model's eos (no "\n" stop:
+    a reasoning trace spans lines), and both score the last <answer> tag (`extract_answer`).
     """
     try:
         import reasoning_gym
-        from reasoning_gym.utils import extract_answer
+        from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
     except ImportError as e:  # pragma: no cover - reasoning-gym is a core dependency
         raise OpdError("reasoning-gym is not installed: pip install reasoning-gym") from e
     try:
@@ -38,4 +43,5 @@ def reasoning_gym_capability(task: str, pool: int = 2000) -> Capability:
         return float(ds.score_answer(extracted.strip(), entry))
 
     return Capability(f"rg:{task}", f"reasoning-gym {task}", generate, default_difficulty=1,
-                      max_new_tokens=256, verify=verify, prompt_space=pool)
+                      max_new_tokens=256, verify=verify, prompt_space=pool, chat=True,
+                      instruction=SYSTEM_PROMPTS["default"], until=())

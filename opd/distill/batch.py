@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from opd_kernels import selective_log_softmax
 
-from opd.capabilities import get_capability
+from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
@@ -63,7 +63,7 @@ def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Rand
     items = [get_capability(c).sample(rng, "train") for c in caps]
     cap_tokens = max(get_capability(c).max_new_tokens for c in routes) + 1
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens or cap_tokens, seed=seed)
-    return items, engine.generate([it.prompt for it in items], group, params)
+    return items, engine.generate(prompt_texts(items, getattr(engine, "tokenizer", None)), group, params)
 
 
 @torch.no_grad()

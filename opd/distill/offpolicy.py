@@ -14,7 +14,7 @@ import random
 import torch
 from opd_kernels import selective_log_softmax
 
-from opd.capabilities import get_capability
+from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.rl.batch import completion_targets, pad_sequences
@@ -36,7 +36,7 @@ def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.R
         items = [capability.sample(rng, "train") for _ in range(prompts)]
         params = SamplingParams(temperature=temperature, max_new_tokens=capability.max_new_tokens + 1,
                                 seed=seed * 1_000_003 + i)
-        groups = teacher.engine.generate([it.prompt for it in items], group, params)
+        groups = teacher.engine.generate(prompt_texts(items, getattr(teacher.engine, "tokenizer", None)), group, params)
         kept = {}
         for it, g in zip(items, groups):
             for r in g:

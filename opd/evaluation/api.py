@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import numbers
 import os
 import random
 from dataclasses import asdict, dataclass
@@ -37,6 +38,8 @@ class Score:
     score: float
     stderr: float
     n: int
+    # How val/test were made where the task did not give both ("" for opd's own tasks), for the report.
+    split_rule: str = ""
 
 
 def cache_dir() -> Path:
@@ -67,16 +70,21 @@ def evaluate(
     batch_size: int = 128,
     use_cache: bool = True,
     model_hash: str | None = None,
+    lm_factory=None,
 ) -> dict[str, Score]:
     """Score `model` on each capability's held-out `split` with lm-eval; returns {cap: Score}.
 
     `limit` scores only the first `limit` items (cheap-first screening). The cache key is the
     model's content hash, so the same weights are never scored twice on the same task.
+
+    A capability that is an lm-eval task (opd.capabilities.lm_eval_task) runs that task on its
+    val/test docs, scored on its primary metric. `lm_factory`: called (only when something is not
+    cached) for the lm-eval model object to score with, instead of wrapping `model` in HFLM (the
+    vLLM / SGLang backends, opd.evaluation.backends).
     """
     if split not in EVAL_SPLITS:
         raise OpdError(f"split {split!r}: evaluation uses one of {EVAL_SPLITS}")
-    for c in capabilities:
-        get_capability(c)
+    caps = {c: get_capability(c) for c in capabilities}
     # The content hash reads every weight; it is only the cache's key.
     key = (model_hash or state_dict_hash(model)) if use_cache else None
     results: dict[str, Score] = {}
@@ -84,18 +92,39 @@ def evaluate(
     for c in capabilities:
         path = None
         if use_cache:
-            path = cache_dir() / key / f"{task_name(c, split)}-{limit or SPLIT_SIZES[split]}-v{EVAL_VERSION}.json"
+            path = cache_dir() / key / _cache_name(caps[c], tokenizer, split, limit)
             if path.exists():
                 results[c] = Score(**json.loads(path.read_text()))
                 continue
         todo.append((c, path))
     if todo:
-        fresh = _run_lm_eval(model, tokenizer, [c for c, _ in todo], split, limit, batch_size)
+        lm = lm_factory() if lm_factory is not None else None
+        fresh = _run_lm_eval(model, tokenizer, [c for c, _ in todo], split, limit, batch_size, lm=lm)
         for c, path in todo:
             results[c] = fresh[c]
             if use_cache:
                 atomic_write_json(path, asdict(fresh[c]))
     return {c: results[c] for c in capabilities}
+
+
+def _chat(cap, tokenizer) -> bool:
+    """Whether `cap` is scored with lm-eval's apply_chat_template: a chat capability (an lm-eval task,
+    rg:) and a tokenizer with a template. opd's own compact tasks stay raw text."""
+    return cap.chat and bool(getattr(tokenizer, "chat_template", None))
+
+
+def _cache_name(cap, tokenizer, split: str, limit: int | None) -> str:
+    from opd.io import text_hash
+
+    # A chat-templated prompt depends on the tokenizer's template, which the weights' hash does not cover.
+    chat = f"-c{text_hash(tokenizer.chat_template)[:8]}" if _chat(cap, tokenizer) else ""
+    # rg: prompts gained an instruction and lost the "\n" stop: their own key, opd's tasks keep theirs
+    if cap.instruction:
+        chat += f"-i{text_hash(cap.instruction + repr(cap.until))[:8]}"
+    if getattr(cap, "lm_eval", False):
+        info = text_hash(json.dumps(asdict(cap.info), sort_keys=True))[:8]
+        return f"lmeval-{cap.name.replace('/', '_')}-{info}-{split}-{limit or 'all'}{chat}-v{EVAL_VERSION}.json"
+    return f"{task_name(cap.name, split)}-{limit or SPLIT_SIZES[split]}{chat}-v{EVAL_VERSION}.json"
 
 
 # lm-eval Task objects, built once per process and reused by every evaluation: building one loads
@@ -127,11 +156,8 @@ def lm_eval_tasks(capabilities: list[str], split: str) -> dict:
     return {n: _TASKS[include, n][1] for n in names}
 
 
-def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> dict[str, Score]:
+def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size, lm=None) -> dict[str, Score]:
     import datasets
-    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
-    from lm_eval.evaluator import evaluate as lm_eval_evaluate
-    from lm_eval.models.huggingface import HFLM
 
     for name in ("lm-eval", "lm_eval", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -140,20 +166,68 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
 
     datasets.disable_progress_bars()
     lm_task.tqdm = functools.partial(tqdm, disable=True)  # per-document context bars
-    was_training = model.training
-    model.eval()
-    # A model object is scored where it is, in its own dtype: HFLM takes its device from `model.device` and
-    # never moves it (lm_eval/models/huggingface.py, HFLM.__init__: a pre-initialized model sets gpus = 0)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
-    # lm-eval's per-request bars would drown opd's own progress display
-    lm.generate_until = functools.partial(HFLM.generate_until, lm, disable_tqdm=True)
-    names = {task_name(c, split): c for c in capabilities}
-    task_dict = {"tasks": lm_eval_tasks(capabilities, split), "groups": {}, "group_map": {}}
-    # lm-eval's evaluator itself, called as simple_evaluate calls it, with simple_evaluate's seeds but
-    # without its per-call task building and environment report (pip and git subprocesses). It
-    # answers on every rank (a model object is rank 0 of 1 to lm-eval): each rank of a distributed
-    # trainer scores its own copy. Evaluation must not change a training run's random stream (or a
-    # cached score would change the run).
+    was_training = model.training if model is not None else False
+    if lm is None:
+        from lm_eval.models.huggingface import HFLM
+
+        model.eval()
+        # A model object is scored where it is, in its own dtype: HFLM takes its device from `model.device`
+        # and never moves it (lm_eval/models/huggingface.py, HFLM.__init__: a pre-initialized model sets gpus = 0)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+        # lm-eval's per-request bars would drown opd's own progress display
+        lm.generate_until = functools.partial(HFLM.generate_until, lm, disable_tqdm=True)
+    caps = {c: get_capability(c) for c in capabilities}
+    native = [c for c in capabilities if not getattr(caps[c], "lm_eval", False)]
+    # One lm-eval run per way of building contexts: raw text, or chat-templated (lm-eval applies a
+    # template to every task of a run or to none). opd's own tasks keep their shipped names.
+    runs: dict[bool, tuple[dict, dict, dict]] = {}  # chat -> ({task name: cap}, {task name: Task}, samples)
+    if native:
+        tasks = lm_eval_tasks(native, split)
+        for c in native:
+            names, task_dict, _ = runs.setdefault(_chat(caps[c], tokenizer), ({}, {}, {}))
+            names[task_name(c, split)] = c
+            task_dict[task_name(c, split)] = tasks[task_name(c, split)]
+    for c in capabilities:
+        if c in native:
+            continue
+        task, indices = caps[c].eval_task(split)
+        names, task_dict, samples = runs.setdefault(_chat(caps[c], tokenizer), ({}, {}, {}))
+        names[c], task_dict[c] = c, task
+        samples[c] = indices[:limit] if limit else indices
+        if not samples[c]:
+            raise OpdError(f"lm-eval task {c!r}: its {split} split is empty ({caps[c].split_rule})")
+    scores = {}
+    try:
+        for chat, (names, task_dict, samples) in runs.items():
+            out = _evaluate(lm, {"tasks": task_dict, "groups": {}, "group_map": {}}, limit, samples, chat)
+            for tname, c in names.items():
+                scores[c] = _score(caps[c], out, tname)
+    finally:
+        if model is not None:
+            model.train(was_training)
+    return scores
+
+
+def _evaluate(lm, task_dict: dict, limit, samples: dict, chat: bool) -> dict:
+    """lm-eval's evaluator itself, called as simple_evaluate calls it, with simple_evaluate's seeds but
+    without its per-call task building and environment report (pip and git subprocesses).
+
+    It answers on every rank (a model object is rank 0 of 1 to lm-eval): each rank of a distributed
+    trainer scores its own copy. Evaluation must not change a training run's random stream (or a
+    cached score would change the run). `samples` picks docs of the lm-eval-task capabilities (their
+    val/test docs), `limit` cuts opd's own tasks; lm-eval takes one or the other per run, so opd's
+    tasks, which have no entry in `samples`, take all their (already split-sized) docs then.
+    `chat`: apply_chat_template=True, as simple_evaluate passes it (lm_eval/evaluator.py), with
+    fewshot_as_multiturn and no system_instruction (a task's `description` is the system turn)."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+    from lm_eval.evaluator import evaluate as lm_eval_evaluate
+
+    if samples:
+        for tname, task in task_dict["tasks"].items():
+            if tname not in samples:
+                n = len(task.eval_docs)
+                samples[tname] = list(range(min(limit, n) if limit else n))
+        limit = None
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]):
@@ -165,19 +239,29 @@ def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size) -> di
             # inference_mode, not just generate's own no_grad: no version counters or view tracking on
             # any tensor of the run. Nothing made here outlives it (the KV cache is per generate call).
             with torch.inference_mode():
-                out = lm_eval_evaluate(lm=lm, task_dict=task_dict, limit=limit, log_samples=False,
-                                       fewshot_as_multiturn=True)
+                return lm_eval_evaluate(lm=lm, task_dict=task_dict, limit=limit, samples=samples or None,
+                                        log_samples=False, apply_chat_template=chat, fewshot_as_multiturn=True)
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-    model.train(was_training)
-    scores = {}
-    for tname, c in names.items():
-        r = out["results"][tname]
-        stderr = r.get("score_stderr,none")
-        scores[c] = Score(
-            score=float(r["score,none"]),
-            stderr=float(stderr) if isinstance(stderr, (int, float)) else float("nan"),
-            n=int(out["n-samples"][tname]["effective"]),
-        )
-    return scores
+
+
+def _score(cap, out: dict, tname: str) -> Score:
+    """The capability's score from lm-eval's results: opd's own tasks report "score,none"; an lm-eval
+    task its primary metric under its first filter ("metric,filter", stderr "metric_stderr,filter")."""
+    r = out["results"][tname]
+    if getattr(cap, "lm_eval", False):
+        metric, flt = cap.info.metric, cap.info.filter
+        rule = cap.split_rule
+    else:
+        metric, flt, rule = "score", "none", ""
+    value, stderr = r.get(f"{metric},{flt}"), r.get(f"{metric}_stderr,{flt}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OpdError(f"lm-eval task {tname!r}: its primary metric {metric},{flt} is {value!r}, not a number "
+                       f"(results has {sorted(k for k in r if k != 'alias')})")
+    return Score(
+        score=float(value),
+        stderr=float(stderr) if isinstance(stderr, (int, float)) else float("nan"),
+        n=int(out["n-samples"][tname]["effective"]),
+        split_rule=rule,
+    )

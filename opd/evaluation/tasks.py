@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -35,8 +36,9 @@ def task_yaml(capability: str, split: str) -> str:
         f"task: {task_name(capability, split)}",
         "custom_dataset: !function utils.load_dataset_dict",
         f"dataset_kwargs: {{capability: '{capability}', split: {split}}}",
+        *([f"description: {json.dumps(cap.instruction)}"] if cap.instruction else []),
         "generation_kwargs:",
-        "  until: [\"\\n\"]",
+        f"  until: {json.dumps(list(cap.until))}",
         "  do_sample: false",
         f"  max_gen_toks: {cap.max_new_tokens + 2}",
     ]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from opd.capabilities import get_capability
+from opd.capabilities import get_capability, prompt_texts
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.devices import model_device
 from opd.expert.settings import GSPOConfig, GSPORun
@@ -64,7 +64,7 @@ def _rollout_batch(engine, cap, rng, g: GSPOConfig, run: GSPORun, state: RunStat
     kept, seen, gen_tokens = [], 0, 0
     for round_ in range(1 + g.max_resample):
         items = [cap.sample(rng, "train", run.difficulty) for _ in range(g.prompts_per_step)]
-        groups = engine.generate([it.prompt for it in items], g.group_size,
+        groups = engine.generate(prompt_texts(items, getattr(engine, "tokenizer", None)), g.group_size,
                                  SamplingParams(**{**params.__dict__, "seed": seed * 31 + round_}))
         for it, group in zip(items, groups):
             rewards = [reward(r.text, it.answer, cap) for r in group]

@@ -133,6 +133,29 @@ class LabTraining(BaseModel):
         return overrides
 
 
+class Scoring(BaseModel):
+    """How candidates are scored: in process (hf) or by lm-eval's own vLLM / SGLang model types on a
+    candidate written to disk (GPU only; opd.evaluation.backends)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    backend: Literal["hf", "vllm", "sglang"] = Field("hf", description="hf: the in-process model object; vllm / "
+                                                      "sglang: lm-eval's VLLM / SGLangLM on the candidate's directory")
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="engine weights dtype")
+    tensor_parallel: int = Field(1, gt=0, description="GPUs one engine spans (vllm tensor_parallel_size, "
+                                 "sglang tp_size)")
+    memory_fraction: float | None = Field(None, gt=0, le=1, description="GPU memory share of the engine "
+                                          "(vllm gpu_memory_utilization, sglang mem_fraction_static)")
+    max_model_len: int | None = Field(None, gt=0, description="context length the engine allocates for")
+    batch_size: int | Literal["auto"] = Field("auto", description="requests per engine call")
+
+    @model_validator(mode="after")
+    def _can_run(self):
+        from opd.evaluation.backends import require_backend
+
+        require_backend(self.backend)
+        return self
+
+
 class MergeRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -142,8 +165,12 @@ class MergeRecipe(BaseModel):
     experts: list[ExpertInput] = Field(
         min_length=1, description="opd experts (a name, experts/<name>/, or a path holding manifest.json), or "
         "any HF causal-LM directory fine-tuned from the base as {path: DIR, tasks: [...]} (opd.model_inputs)")
-    capabilities: list[str] | None = Field(None, description="capabilities to score (default: every task the "
-                                           "experts list)")
+    capabilities: list[str] | None = Field(None, description="old name of `tasks` (give one of the two)")
+    tasks: list[str] | None = Field(None, description="what to score (default: every task the experts list): opd "
+                                    "capabilities (sort, rg:gcd), stock lm-eval tasks (gsm8k, arc_challenge) or tasks "
+                                    "defined by the YAMLs in include_path, each on its primary metric")
+    include_path: str | None = Field(None, description="a directory of lm-eval task YAMLs that `tasks` may name")
+    scoring: Scoring = Field(default_factory=Scoring, description="which engine scores candidates")
     strategies: dict[str, dict[str, ParamSpec]] = Field(
         min_length=1, description="mergekit method, 'opd', 'merge_opd' or '<method>+opd' -> "
         "{parameter: value | [low, high] | {choices: [...]} | {range: [low, high], layer_groups: n}}")
@@ -176,13 +203,23 @@ class MergeRecipe(BaseModel):
         if self.split != "val":
             raise ValueError("the search scores on 'val' only: tuning on the test split would leak it "
                              "into the scores the report gives")
-        for c in self.capabilities or []:
+        if self.tasks is not None and self.capabilities is not None:
+            raise ValueError("give `tasks` or its old name `capabilities`, not both")
+        if self.include_path is not None and not self.tasks and not self.capabilities:
+            raise ValueError("include_path is set but no `tasks` name a task from it")
+        names = self.tasks or self.capabilities or []
+        if names:
+            from opd.capabilities.lm_eval_task import resolve_tasks
+
+            include = str(Path(self.include_path).resolve()) if self.include_path else None
+            resolve_tasks(names, include)
+        for c in names:
             get_capability(c)
         for i, e in enumerate(self.experts):
             for t in (e.tasks or []) if isinstance(e, ExpertEntry) else []:
-                if self.capabilities is not None and t not in self.capabilities:
-                    raise ValueError(f"experts.{i}.tasks: {t!r} is not scored by this recipe (capabilities: "
-                                     f"{self.capabilities}); add it there or drop it from the expert's tasks")
+                if names and t not in names:
+                    raise ValueError(f"experts.{i}.tasks: {t!r} is not scored by this recipe (tasks: "
+                                     f"{names}); add it there or drop it from the expert's tasks")
                 try:
                     get_capability(t)
                 except OpdError as err:
@@ -265,5 +302,5 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
             raise OpdError(f"expert {n!r}: weights in {p} do not match its manifest's content_hash "
                            f"{manifests[n].content_hash} (changed after training?)")
         sds[n] = merge_keys(model.state_dict())
-    caps = list(recipe.capabilities or dict.fromkeys(t for m in manifests.values() for t in m.tasks))
+    caps = list(recipe.tasks or recipe.capabilities or dict.fromkeys(t for m in manifests.values() for t in m.tasks))
     return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps)

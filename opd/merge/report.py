@@ -311,6 +311,8 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
     intro = (f"Recipe `{recipe.name}`: {len(summary['trials'])} finished trials ({n_full} scored on the full val "
              f"split), objectives {', '.join(summary['objectives'])}. Best (chosen on val): **{summary['best']}**. "
              "Retention = candidate score / the capability's expert score on the same split.")
+    if summary.get("split_rules"):
+        intro += " Splits: " + "; ".join(f"`{c}`: {r}" for c, r in summary["split_rules"].items()) + "."
     ws = summary.get("weightspace") if len(summary["inputs"]["experts"]) >= 2 else None
     ws_plots = weightspace_plots(ws) if ws else {}
     for name, png in ws_plots.items():

@@ -49,10 +49,12 @@ class Scorer:
     """Scores state dicts on one reusable model object (no model rebuilt, no subprocess)."""
 
     def __init__(self, inputs: MergeInputs, batch_size: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, scoring=None):
         """Scores on `device` in `dtype`: on the base model itself on the CPU in float32, else on a copy
-        there (the base stays on the CPU in float32, where the merges read it)."""
+        there (the base stays on the CPU in float32, where the merges read it). `scoring` (the recipe's):
+        vllm / sglang score each candidate from disk."""
         device = torch.device(device)
+        self.scoring = scoring
         self.model = inputs.base_model if (device.type, dtype) == ("cpu", torch.float32) else \
             place(copy.deepcopy(inputs.base_model), device, dtype)
         self.base_sd = inputs.base_sd
@@ -65,6 +67,11 @@ class Scorer:
         # torch/nn/modules/module.py, `_load_from_state_dict`)
         self.model.load_state_dict(sd, strict=False)
         self.calls += 1
+        if self.scoring is not None and self.scoring.backend != "hf":
+            from opd.evaluation.backends import evaluate_on_disk
+
+            return evaluate_on_disk(self.model, self.tokenizer, self.scoring, caps or self.caps, split, limit,
+                                    state_dict_hash(self.model))
         return evaluate(self.model, self.tokenizer, caps or self.caps, split, limit=limit,
                         batch_size=self.batch_size, model_hash=state_dict_hash(self.model))
 
@@ -541,7 +548,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         log(f"inputs changed since study {warm[0]}: new study {name}, starting from its {len(warm[1])} best settings")
     device = resolve_device(recipe.device)
     dtype = resolve_dtype(recipe.dtype, device)
-    scorer = Scorer(inputs, recipe.eval_batch_size, device, dtype)
+    scorer = Scorer(inputs, recipe.eval_batch_size, device, dtype, recipe.scoring)
     log(f"scoring on {device} in {str(dtype).removeprefix('torch.')}")
     log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
     refs = score_references(inputs, scorer, recipe.screening.limit)
@@ -574,6 +581,8 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         "objectives": objective_names(recipe, inputs.capabilities),
         "counted": refs.counted,
         "owners": refs.owner,
+        # lm-eval tasks whose val/test are a hash split of one split (the report says so)
+        "split_rules": {c: s.split_rule for c, s in refs.base["test"].items() if s.split_rule},
         "trials": [{"number": t.number, "values": t.values, "params": t.params, **trials.read(t).fields()}
                    for t in finished(study)],
         "final": {label: {"trial": t.number, "candidate": c.model_dump(mode="json"), "label": c.label()}
