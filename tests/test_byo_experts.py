@@ -39,9 +39,9 @@ def scored(monkeypatch):
     calls = []
     real = api._run_lm_eval
 
-    def counting(model, tokenizer, capabilities, split, limit, batch_size):
+    def counting(model, tokenizer, capabilities, split, limit, batch_size, **kw):
         calls.append((state_dict_hash(model), split, limit))
-        return real(model, tokenizer, capabilities, split, limit, batch_size)
+        return real(model, tokenizer, capabilities, split, limit, batch_size, **kw)
 
     monkeypatch.setattr(api, "_run_lm_eval", counting)
     return calls

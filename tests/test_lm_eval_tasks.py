@@ -330,12 +330,7 @@ def test_byo_recipe_runs_the_search(byo, tmp_path):
                budget={"n_trials": 3}, final_candidates=1, screening={"limit": 10, "warmup": 1})
     p = tmp_path / "byo.yaml"
     p.write_text(yaml.safe_dump(raw))
-    try:
-        recipe = load_recipe(p)
-    except OpdError as e:
-        if "field 'experts.0'" in str(e):
-            pytest.skip("needs experts given as {path, tasks} (issue 29 item 1, the BYO-experts branch)")
-        raise
+    recipe = load_recipe(p)
     run_recipe(recipe, live=False, log=lambda *a: None)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "byo_arith" in report and "hash split" in report

@@ -16,12 +16,7 @@ RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("merge_recipes").g
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_load(path, monkeypatch):
     monkeypatch.chdir(path.parents[1])  # recipes name paths (base, include_path) from the repo root
-    try:
-        r = load_recipe(path)
-    except OpdError as e:
-        if path.name == "byo.yaml" and "field 'experts.0'" in str(e):
-            pytest.skip("byo.yaml gives experts as {path, tasks} (issue 29 item 1, the BYO-experts branch)")
-        raise
+    r = load_recipe(path)
     assert r.split == "val" and r.strategies
     assert str(r.out_dir) == f"runs/merge/{r.name}"
     assert r.storage_url.startswith("sqlite:///") and r.storage_url.endswith("study.db")
