@@ -73,12 +73,32 @@ class DistillStrategy(Strategy):
                 method.check_params({p: v for p, v in params.items() if p in method.parameters}, distill)
             except ValueError as e:
                 raise ValueError(f"strategy {self.name!r}: {e}") from None
+        if distill.verifier == "none":
+            reward = self.reward_setting(params)
+            if reward is not None:
+                raise ValueError(f"strategy {self.name!r} ({self.pretty}) reads the capability's reward ({reward}), "
+                                 "which verifier: none rules out: drop it from strategies, or set verifier: capability")
         fixed = {p: v for p, v in params.items() if p in self.distill_shared and isinstance(v, bool | int | float | str)}
         try:
             type(distill).model_validate({**distill.model_dump(), **fixed, **(self.distill_fixed or {})})
         except ValidationError as e:
             err = e.errors()[0]
             raise ValueError(f"strategy {self.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+    def reward_setting(self, params: dict[str, Any]) -> str | None:
+        """The setting by which this strategy's runs would call a capability's reward (`reward_weight`
+        fixed > 0, as gspo's, or a value, range or choice above 0 in the recipe), or None. The recipe's
+        own `distill.reward_weight` is checked by DistillConfig itself."""
+        fixed = (self.distill_fixed or {}).get("reward_weight", 0.0)
+        if fixed > 0:
+            return f"reward_weight {fixed}, fixed by the strategy"
+        spec = params.get("reward_weight")
+        if spec is None:
+            return None
+        values = getattr(spec, "choices", None) or (spec if isinstance(spec, tuple) else [spec])
+        if any(isinstance(v, int | float) and v > 0 for v in values):
+            return f"reward_weight {getattr(spec, 'choices', spec)} can be above 0"
+        return None
 
     def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
         init = self.merge_part(cand)
