@@ -96,6 +96,7 @@ def test_verifier_none_merge_search_calls_no_reward(tmp_path, lab, reward_calls,
         # the warm start's 2 x 8 samples, then 2 steps' 2 x 2: every one verified
         assert reward_calls.training == 2 * 8 + 2 * 4 and any(k.startswith("reward/") for k in hist[-1])
     assert json.loads((recipe.out_dir / "results.json").read_text())["recipe"]["verifier"] == verifier
+    assert ("No verifier (`verifier: none`)" in (recipe.out_dir / "report.md").read_text()) == (verifier == "none")
 
 
 @pytest.mark.parametrize("verifier", ["none", "capability"])
@@ -191,7 +192,7 @@ def test_verifier_none_refuses_a_strategy_that_reads_rewards(tmp_path, lab, caps
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"strategy {strategy!r}" in err and named in err
-    assert "verifier: none" in err and str(path) in err and not out.exists()
+    assert "field 'verifier'" in err and "verifier: none rules out" in err and str(path) in err and not out.exists()
     # the same strategy with the verifier is a valid recipe
     assert load_recipe(path, ["verifier=capability"]).verifier == "capability"
 

@@ -214,8 +214,6 @@ class DistillRun(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    verifier: Verifier = Field("capability", description=VERIFIER_HELP + "; the same setting as distill.verifier")
-
     name: str = Field(pattern=r"^[\w-][\w.-]*$", description="names the output directory (one path "
                       "component: letters, digits, _ - .)")
     base: str = Field("runs/base", description="the base model all teachers were trained from")
@@ -228,6 +226,7 @@ class DistillRun(BaseModel):
         None, description="init the student from this weight-space merge of the teachers: "
         "{strategy, shared, per_model, seed} as in opd.weights.merge.Candidate")
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    verifier: Verifier = Field("capability", description=VERIFIER_HELP + "; the same setting as distill.verifier")
     teacher_servers: dict[str, str] = Field(default_factory=dict, description="teacher name -> SGLang server URL "
                                             "that serves it (GPU machines): it scores there, its weights are not loaded")
     out: str | None = Field(None, description="output directory (default runs/distill/<name>)")

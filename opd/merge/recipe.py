@@ -174,6 +174,18 @@ class MergeRecipe(BaseModel):
 
     _one_verifier = model_validator(mode="before")(one_verifier)
 
+    @field_validator("verifier")
+    @classmethod
+    def _no_reward_readers(cls, verifier, info):
+        # a field validator, after `strategies` and `distill`: the error names the field `verifier`
+        for name, params in (info.data.get("strategies") or {}).items() if verifier == "none" else ():
+            strategy = get_strategy(name)
+            reward = strategy.reward_setting(params)
+            if reward is not None:
+                raise ValueError(f"strategy {name!r} ({strategy.pretty}) reads the capability's reward ({reward}), "
+                                 "which verifier: none rules out: drop it from strategies, or set verifier: capability")
+        return verifier
+
     @model_validator(mode="after")
     def _check(self):
         from opd.capabilities import get_capability

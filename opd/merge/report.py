@@ -311,6 +311,9 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
     intro = (f"Recipe `{recipe.name}`: {len(summary['trials'])} finished trials ({n_full} scored on the full val "
              f"split), objectives {', '.join(summary['objectives'])}. Best (chosen on val): **{summary['best']}**. "
              "Retention = candidate score / the capability's expert score on the same split.")
+    if recipe.verifier == "none":
+        intro += (" No verifier (`verifier: none`): no strategy called a capability's reward (warm starts on the "
+                  "teachers' unfiltered samples, no reward term); the val and test scores are lm-eval's.")
     ws = summary.get("weightspace") if len(summary["inputs"]["experts"]) >= 2 else None
     ws_plots = weightspace_plots(ws) if ws else {}
     for name, png in ws_plots.items():

@@ -73,11 +73,6 @@ class DistillStrategy(Strategy):
                 method.check_params({p: v for p, v in params.items() if p in method.parameters}, distill)
             except ValueError as e:
                 raise ValueError(f"strategy {self.name!r}: {e}") from None
-        if distill.verifier == "none":
-            reward = self.reward_setting(params)
-            if reward is not None:
-                raise ValueError(f"strategy {self.name!r} ({self.pretty}) reads the capability's reward ({reward}), "
-                                 "which verifier: none rules out: drop it from strategies, or set verifier: capability")
         fixed = {p: v for p, v in params.items() if p in self.distill_shared and isinstance(v, bool | int | float | str)}
         try:
             type(distill).model_validate({**distill.model_dump(), **fixed, **(self.distill_fixed or {})})
@@ -86,9 +81,8 @@ class DistillStrategy(Strategy):
             raise ValueError(f"strategy {self.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
     def reward_setting(self, params: dict[str, Any]) -> str | None:
-        """The setting by which this strategy's runs would call a capability's reward (`reward_weight`
-        fixed > 0, as gspo's, or a value, range or choice above 0 in the recipe), or None. The recipe's
-        own `distill.reward_weight` is checked by DistillConfig itself."""
+        """`reward_weight` fixed above 0 by the strategy (gspo), or a value, range or choice above 0 in
+        the recipe; None if neither. The recipe's `distill.reward_weight` is DistillConfig's to check."""
         fixed = (self.distill_fixed or {}).get("reward_weight", 0.0)
         if fixed > 0:
             return f"reward_weight {fixed}, fixed by the strategy"
