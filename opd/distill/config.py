@@ -203,7 +203,7 @@ def one_verifier(data: Any) -> Any:
     if top is not None and inner is not None and top != inner:
         raise ValueError(f"verifier: {top} and distill.verifier: {inner} disagree; give it once, at the top")
     chosen = top if top is not None else inner
-    if chosen is None:
+    if chosen is None or not isinstance(block, dict | DistillConfig | None):  # a bad block: its own error
         return data
     fields = block.model_dump() if isinstance(block, DistillConfig) else dict(block or {})
     return {**data, "verifier": chosen, "distill": {**fields, "verifier": chosen}}
