@@ -88,7 +88,8 @@ def test_references_count_capabilities_whose_expert_beats_the_base_on_val():
             return {c: Score(v, 0.02, 200) for c, v in table[sd].items() if caps is None or c in caps}
 
     inputs = SimpleNamespace(capabilities=["add", "shift"], expert_sds={"a": "a", "s": "s"},
-                             manifests={"a": SimpleNamespace(capability="add"), "s": SimpleNamespace(capability="shift")})
+                             manifests={"a": SimpleNamespace(capability="add", tasks=["add"]),
+                                        "s": SimpleNamespace(capability="shift", tasks=["shift"])})
     refs = score_references(inputs, FakeScorer(), None)
     assert refs.counted == ["add"] and refs.val == {"add": 0.6, "shift": 0.01}
 

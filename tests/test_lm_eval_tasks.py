@@ -387,7 +387,7 @@ def test_report_says_which_tasks_were_hash_split(tmp_path):
         "final": {"#0 linear": {"trial": 0, "candidate": cand, "label": "linear"}},
         "matrix": {"test": to_records(cells)}, "split_rules": {"byo_arith": rule},
     }
-    write_report(SimpleNamespace(out_dir=tmp_path, name="t"), summary, {"test": cells, "val": cells})
+    write_report(SimpleNamespace(out_dir=tmp_path, name="t", verifier="capability"), summary, {"test": cells, "val": cells})
     assert f"Splits: `byo_arith`: {rule}." in (tmp_path / "report.md").read_text()
     assert "byo_arith</code>: val/test = a sha256 hash split" in (tmp_path / "report.html").read_text()
 

@@ -30,7 +30,7 @@ class OpdBatch:
     old_lp: torch.Tensor | None  # (B, T) student log-probs at sampling time (None when no loss needs them)
     teacher_lp: torch.Tensor  # (K, B, T) each teacher's log-prob of the sampled tokens (0 where unrouted)
     weights: torch.Tensor  # (K, B) teacher k's share of row b's target (columns sum to 1)
-    rewards: torch.Tensor  # (P, G) verifier rewards
+    rewards: torch.Tensor | None  # (P, G) verifier rewards (None under verifier: none: never computed)
     row_caps: list[str]  # (B,) capability of each row
     names: list[str]  # (K,) teacher names
     gen_tokens: int
@@ -44,6 +44,7 @@ class OpdBatch:
     completions: list[list[int]] | None = None
     pad_id: int = 0
     layout: Layout = "padded"
+    group: int = 1  # samples per prompt: rows are prompt-major, `group` rows per prompt
 
     def token_rows(self, rows: torch.Tensor) -> TokenRows:
         """Rows `rows` of the batch laid out for `hidden_at`: the batch's own padded tensors (so the
@@ -69,18 +70,19 @@ def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Rand
 @torch.no_grad()
 def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Routes, pad_id: int,
                 kernel_chunk: int = 1024, bank: TeacherBank | None = None, old_lp: bool = True,
-                layout: Layout = "padded") -> OpdBatch:
+                layout: Layout = "padded", rewards: bool = True) -> OpdBatch:
     """Score every student token under each routed teacher and, with `old_lp`, under the student
     itself (the GSPO ratio's old policy: the sampled estimator and a reward term need it; the full
-    estimator alone does not, and skipping it saves one student forward per batch).
+    estimator alone does not, and skipping it saves one student forward per batch). `rewards` False
+    (verifier: none): no capability's reward is called and the batch carries none.
 
     With `bank` (every teacher in process, one architecture) all teachers score in one stacked
     forward that also yields the full-vocabulary targets; otherwise each teacher's engine scores its
     rows (an SGLang server, or one in-process forward per teacher)."""
     rollouts = [r for g in groups for r in g]
     row_caps = [it.capability for it, g in zip(items, groups) for _ in g]
-    rewards = torch.tensor([[get_capability(it.capability).verify(r.text, it.answer) for r in g]
-                            for it, g in zip(items, groups)], dtype=torch.float32)  # (P, G)
+    scores = torch.tensor([[get_capability(it.capability).verify(r.text, it.answer) for r in g]
+                           for it, g in zip(items, groups)], dtype=torch.float32) if rewards else None  # (P, G)
     device = next(student.parameters()).device
     padded = pad_sequences([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
     ids, attn, cmask, plen = (x.to(device) for x in padded)
@@ -118,8 +120,9 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
             for b, lps in zip(rows, scored):
                 teacher_lp[k, b, : len(lps)] = torch.tensor(lps)
     return OpdBatch(ids, attn, cmask, plen, targets, old_lp, teacher_lp.to(device), weights,
-                    rewards.to(device), row_caps, names, gen_tokens=int(cmask.sum()), target=target, log_z=log_z,
-                    prompts=prompts, completions=completions, pad_id=pad_id, layout=layout)
+                    None if scores is None else scores.to(device), row_caps, names, gen_tokens=int(cmask.sum()),
+                    target=target, log_z=log_z, prompts=prompts, completions=completions, pad_id=pad_id,
+                    layout=layout, group=B // len(items))
 
 
 @torch.no_grad()

@@ -17,6 +17,14 @@ from opd.rl.packing import Layout
 from opd.tracking import REPORT_TO_HELP, ReportTo
 
 Estimator = Literal["sampled", "full", "topk"]
+# What consolidation may read of a capability besides its prompts: 'capability', its reward (the
+# verifier, or whatever reward its experts trained on); 'none', nothing (domains with no verifier).
+Verifier = Literal["capability", "none"]
+VERIFIER_HELP = ("'capability': consolidation may call the capability's reward (the warm start keeps the "
+                 "teacher samples it accepts, reward_weight mixes it into OPD, each step logs it); 'none': no "
+                 "reward is ever computed: the warm start is sequence-level distillation on the teachers' "
+                 "unfiltered samples, OPD has no reward term, no step logs or selects by reward (val and test "
+                 "scoring stay lm-eval's)")
 
 
 class TeacherRef(BaseModel):
@@ -123,8 +131,10 @@ class DistillConfig(BaseModel):
         "With bf16, as an SGLang server samples a bf16 copy of a model trained in fp32, the student samples from its "
         "weights rounded to bf16 (the sampled estimator's old log-probs are that copy's), and each token's teacher "
         "target is computed from bf16 teachers (in fp32 after the head)")
+    verifier: Verifier = Field("capability", description=VERIFIER_HELP)
     warmstart_steps: int = Field(0, ge=0, description="supervised steps on verified teacher samples before OPD "
-                                 "(off-policy distillation as a warm start; 0: none)")
+                                 "(off-policy distillation as a warm start; 0: none; with verifier: none, on "
+                                 "unfiltered teacher samples)")
     warmstart_prompts: int = Field(256, gt=0, description="training prompts per capability its teacher samples "
                                    "for the warm start")
     warmstart_group: int = Field(4, gt=0, description="teacher samples per warm-start prompt (the verifier keeps "
@@ -160,6 +170,11 @@ class DistillConfig(BaseModel):
             raise ValueError("steps and warmstart_steps are both 0: nothing to train")
         if self.kl_weight == 0 and self.reward_weight == 0:
             raise ValueError("kl_weight and reward_weight are both 0: nothing to learn from")
+        if self.verifier == "none" and self.reward_weight > 0:
+            what = ("kl_weight 0 with reward_weight > 0 is multi-task GSPO on the capability's reward"
+                    if self.kl_weight == 0 else f"reward_weight {self.reward_weight} mixes the capability's reward "
+                    "into OPD")
+            raise ValueError(f"{what}, which verifier: none rules out: set reward_weight: 0 (or verifier: capability)")
         if self.reward_weight > 0 and self.group_size < 2:
             raise ValueError("reward_weight > 0 needs group_size >= 2 (rewards are group-normalised)")
         if self.estimator == "topk" and self.topk is None:
@@ -171,6 +186,27 @@ class DistillConfig(BaseModel):
         if self.adaptive_mix > 0 and self.eval_every == 0:
             raise ValueError("adaptive_mix reweights prompts after each retention check: set eval_every > 0")
         return self
+
+
+def one_verifier(data: Any) -> Any:
+    """A run's or recipe's raw fields with `verifier` given once: the top-level field and its `distill`
+    block's `verifier` are one setting, so whichever is given is copied to the other (both given and
+    different: refused). Used as a `mode="before"` validator, so the `distill` block is validated with it."""
+    if not isinstance(data, dict):
+        return data
+    block = data.get("distill")
+    if isinstance(block, DistillConfig):  # built in Python: its verifier counts only if it was set
+        inner = block.verifier if "verifier" in block.model_fields_set else None
+    else:
+        inner = block.get("verifier") if isinstance(block, dict) else None
+    top = data.get("verifier")
+    if top is not None and inner is not None and top != inner:
+        raise ValueError(f"verifier: {top} and distill.verifier: {inner} disagree; give it once, at the top")
+    chosen = top if top is not None else inner
+    if chosen is None or not isinstance(block, dict | DistillConfig | None):  # a bad block: its own error
+        return data
+    fields = block.model_dump() if isinstance(block, DistillConfig) else dict(block or {})
+    return {**data, "verifier": chosen, "distill": {**fields, "verifier": chosen}}
 
 
 class DistillRun(BaseModel):
@@ -190,6 +226,7 @@ class DistillRun(BaseModel):
         None, description="init the student from this weight-space merge of the teachers: "
         "{strategy, shared, per_model, seed} as in opd.weights.merge.Candidate")
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    verifier: Verifier = Field("capability", description=VERIFIER_HELP + "; the same setting as distill.verifier")
     teacher_servers: dict[str, str] = Field(default_factory=dict, description="teacher name -> SGLang server URL "
                                             "that serves it (GPU machines): it scores there, its weights are not loaded")
     out: str | None = Field(None, description="output directory (default runs/distill/<name>)")
@@ -205,6 +242,8 @@ class DistillRun(BaseModel):
         "{} for the defaults): the updates run under a ZeRO engine; None = plain torch. Launch several ranks with "
         "`deepspeed --num_gpus N --no_local_rank --module opd.distill run.yaml`; prompts_per_step is per rank")
 
+
+    _one_verifier = model_validator(mode="before")(one_verifier)
 
     @model_validator(mode="after")
     def _check(self):

@@ -30,6 +30,7 @@ from opd.distill.precision import resolve_inference_dtype
 from opd.distill.routing import Routes, prompt_mix, require_routed
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, lm_head_weight
+from opd.errors import OpdError
 from opd.io import atomic_torch_save
 from opd.rl.distill_loss import (
     mix_teacher_logprobs,
@@ -94,8 +95,8 @@ def minibatches(batch: OpdBatch, n: int, generator: torch.Generator | None = Non
     B = len(batch.cmask)
     if batch.layout == "padded":
         return torch.randperm(B, generator=generator).to(batch.cmask.device).chunk(n)
-    G = B // len(batch.rewards)  # rows are prompt-major, G per prompt
-    groups = torch.randperm(len(batch.rewards), generator=generator).to(batch.cmask.device).chunk(n)
+    G = batch.group  # rows are prompt-major, G per prompt
+    groups = torch.randperm(B // G, generator=generator).to(batch.cmask.device).chunk(n)
     return tuple((g[:, None] * G + torch.arange(G, device=g.device)).reshape(-1) for g in groups)
 
 
@@ -110,7 +111,8 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
     cmask, real = batch.cmask, batch.cmask.bool()
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
     tok_index[real] = torch.arange(int(real.sum()), device=real.device)
-    reward_adv = group_advantages(batch.rewards).reshape(-1)  # (B,)
+    # only a reward term reads rewards (under verifier: none the batch has none and reward_weight is 0)
+    reward_adv = group_advantages(batch.rewards).reshape(-1) if cfg.reward_weight > 0 else None  # (B,)
     row_w = row_capability_weights(batch.row_caps, cfg.capability_weights).to(cmask.device)  # (B,)
     if cfg.estimator == "sampled":
         adv = cfg.kl_weight * sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights),
@@ -232,14 +234,21 @@ RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "re
 
 def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix, rng, state: DistillState,
                 pad_id: int, save, log, t0: float, rank: int, progress=None) -> None:
-    """Off-policy distillation before OPD: supervised steps on verified teacher samples (see
-    opd.distill.offpolicy), checkpointed every `checkpoint_every * 5` steps through `save()`;
-    `progress(state, None)` after each step."""
+    """Off-policy distillation before OPD: supervised steps on verified teacher samples, or on all of
+    them under verifier: none (see opd.distill.offpolicy), checkpointed every `checkpoint_every * 5`
+    steps through `save()`; `progress(state, None)` after each step."""
     if state.warm_samples is None:
+        verify = cfg.verifier != "none"
         state.warm_samples = verified_samples(teachers, routes, rng, prompts=cfg.warmstart_prompts,
                                               group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
-                                              seed=cfg.seed + rank)
-        log("warm start: verified teacher samples " + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
+                                              seed=cfg.seed + rank, verify=verify)
+        log(f"warm start: {'verified' if verify else 'unfiltered'} teacher samples "
+            + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
+        if not any(state.warm_samples.values()):
+            raise OpdError(f"warm start: {'the verifier accepted none' if verify else 'no non-empty one'} of the "
+                           f"teachers' {cfg.warmstart_group} samples "
+                           f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
+                           "warmstart_group, or set warmstart_steps: 0")
     policy.train()
     while state.warm_step < cfg.warmstart_steps:
         for g in opt.param_groups:
@@ -262,7 +271,7 @@ def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix
 UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_every")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
-DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False}
+DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability"}
 
 
 def _identity(cfg: DistillConfig) -> dict:
@@ -458,7 +467,8 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 100_003 + step + rank * 1_000_003)
         t_score = time.perf_counter()
         batch = build_batch(sampler, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
-                            old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout)
+                            old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout,
+                            rewards=cfg.verifier != "none")
         return batch, t_score - t_sample, time.perf_counter() - t_score
 
     def produce_ahead(step: int, step_mix: dict[str, float], rng_state) -> tuple[OpdBatch, object]:
@@ -507,7 +517,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
                    **opd_step(policy, opt, batch, cfg, teachers, backward, generator)}
             # where a step's seconds go: student sampling, teacher (and old-policy) scoring, the update
             rec.update({"time/sample": s_sample, "time/score": s_score, "time/update": time.perf_counter() - t_update})
-            for cap in dict.fromkeys(batch.row_caps):
+            for cap in dict.fromkeys(batch.row_caps) if batch.rewards is not None else ():
                 rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
                 rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
             state.step += 1

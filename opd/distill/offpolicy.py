@@ -5,6 +5,9 @@ prompts; the completions the capability's verifier scores 1 are kept (rejection 
 student is trained on them by teacher forcing. Used as a warm start before on-policy distillation
 (`warmstart_steps` in DistillConfig) or alone (`steps: 0`) as a baseline. The reward is the one the
 experts were trained on, so no data beyond the experts and the lab's prompts is used.
+
+With `verifier: none` (domains with no verifier) nothing is filtered and no reward is called: the
+student trains on every sample its teachers drew, sequence-level knowledge distillation.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ Sample = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 
 
 def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.Random, *, prompts: int,
-                     group: int, temperature: float, seed: int) -> dict[str, list[Sample]]:
+                     group: int, temperature: float, seed: int, verify: bool = True) -> dict[str, list[Sample]]:
     """Capability -> distinct (prompt, completion) pairs sampled from its highest-weight teacher that
-    the capability's verifier accepts (score 1). Deterministic given `rng` and `seed`."""
+    the capability's verifier accepts (score 1). Deterministic given `rng` and `seed`.
+
+    verify False: every non-empty sample, duplicates included, and the verifier is never called; the
+    pairs then follow the teacher's own distribution (deduplicating would flatten it towards its tail)."""
     out: dict[str, list[Sample]] = {}
     for i, (cap, ts) in enumerate(sorted(routes.items())):
         capability = get_capability(cap)
@@ -37,12 +43,9 @@ def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.R
         params = SamplingParams(temperature=temperature, max_new_tokens=capability.max_new_tokens + 1,
                                 seed=seed * 1_000_003 + i)
         groups = teacher.engine.generate(prompt_texts(items, getattr(teacher.engine, "tokenizer", None)), group, params)
-        kept = {}
-        for it, g in zip(items, groups):
-            for r in g:
-                if r.completion_ids and capability.verify(r.text, it.answer) >= 1.0:
-                    kept[(tuple(r.prompt_ids), tuple(r.completion_ids))] = None
-        out[cap] = [(list(p), list(c)) for p, c in kept]
+        kept = [(tuple(r.prompt_ids), tuple(r.completion_ids)) for it, g in zip(items, groups) for r in g
+                if r.completion_ids and (not verify or capability.verify(r.text, it.answer) >= 1.0)]
+        out[cap] = [(list(p), list(c)) for p, c in (dict.fromkeys(kept) if verify else kept)]
     return out
 
 

@@ -231,8 +231,9 @@ def _already_written(out: Path, run: dict, init_hash: str, manifests: dict[str, 
 def _settings(run: dict | None) -> dict | None:
     """A run's recorded fields less where its curves go (`distill.report_to`, which changes no weights
     and which manifests written before it existed lack) and where it ran (`device`); a run recorded
-    before `dtype` existed ran in float32."""
+    before `dtype` existed ran in float32, one recorded before `verifier` existed with the capability's."""
     if not run:
         return run
-    return {"dtype": "float32", **{k: v for k, v in run.items() if k != "device"},
-            "distill": {k: v for k, v in run.get("distill", {}).items() if k != "report_to"}}
+    return {"dtype": "float32", "verifier": "capability", **{k: v for k, v in run.items() if k != "device"},
+            "distill": {"verifier": "capability",
+                        **{k: v for k, v in run.get("distill", {}).items() if k != "report_to"}}}

@@ -20,7 +20,7 @@ from pydantic import (
 from opd.cluster import ClusterSettings
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
-from opd.distill.config import DistillConfig
+from opd.distill.config import VERIFIER_HELP, DistillConfig, Verifier, one_verifier
 from opd.errors import OpdError
 from opd.merge.strategies import MergeInputs, get_strategy
 from opd.model_inputs import ExpertEntry, ExpertInput
@@ -176,6 +176,9 @@ class MergeRecipe(BaseModel):
         "{parameter: value | [low, high] | {choices: [...]} | {range: [low, high], layer_groups: n}}")
     distill: DistillConfig = Field(default_factory=DistillConfig, description="settings of the OPD strategies' "
                                    "runs that their parameters do not set")
+    verifier: Verifier = Field("capability", description=VERIFIER_HELP + "; a strategy that needs the reward "
+                               "(gspo, reward_weight > 0) is refused with 'none'; the same setting as "
+                               "distill.verifier")
     budget: Budget = Field(default_factory=Budget)
     train: LabTraining = Field(default_factory=LabTraining, description="how scripts/lab.py trains the experts")
     objectives: Objectives = Field(default_factory=Objectives)
@@ -195,6 +198,20 @@ class MergeRecipe(BaseModel):
                                "GPU when there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'; merges stay on the CPU")
     dtype: DtypeName = Field("auto", description="the scorer's and OPD students' weights: 'float32', 'bfloat16' or "
                              "'auto' (bfloat16 on a GPU that computes in it, else float32); merges run in float32")
+
+    _one_verifier = model_validator(mode="before")(one_verifier)
+
+    @field_validator("verifier")
+    @classmethod
+    def _no_reward_readers(cls, verifier, info):
+        # a field validator, after `strategies` and `distill`: the error names the field `verifier`
+        for name, params in (info.data.get("strategies") or {}).items() if verifier == "none" else ():
+            strategy = get_strategy(name)
+            reward = strategy.reward_setting(params)
+            if reward is not None:
+                raise ValueError(f"strategy {name!r} ({strategy.pretty}) reads the capability's reward ({reward}), "
+                                 "which verifier: none rules out: drop it from strategies, or set verifier: capability")
+        return verifier
 
     @model_validator(mode="after")
     def _check(self):

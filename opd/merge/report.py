@@ -313,6 +313,9 @@ def write_report(recipe, summary: dict, matrix: dict) -> Path:
              "Retention = candidate score / the capability's expert score on the same split.")
     if summary.get("split_rules"):
         intro += " Splits: " + "; ".join(f"`{c}`: {r}" for c, r in summary["split_rules"].items()) + "."
+    if recipe.verifier == "none":
+        intro += (" No verifier (`verifier: none`): no strategy called a capability's reward (warm starts on the "
+                  "teachers' unfiltered samples, no reward term); the val and test scores are lm-eval's.")
     ws = summary.get("weightspace") if len(summary["inputs"]["experts"]) >= 2 else None
     ws_plots = weightspace_plots(ws) if ws else {}
     for name, png in ws_plots.items():

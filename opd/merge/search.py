@@ -221,7 +221,10 @@ def make_sampler(recipe: MergeRecipe, offset: int = 0) -> optuna.samplers.BaseSa
 
 
 # Fields that define the search space and its objectives: a study cannot continue under others.
-SEARCH_FIELDS = ("base", "experts", "capabilities", "strategies", "objectives", "split")
+SEARCH_FIELDS = ("base", "experts", "capabilities", "strategies", "objectives", "split", "verifier")
+# SEARCH_FIELDS added later: a study recorded before one existed was made with its default (a study
+# made with the verifier must not pick its best among students trained without one, or the reverse).
+SEARCH_FIELD_DEFAULTS = {"verifier": "capability"}
 
 
 def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: bool, *, name: str | None = None,
@@ -244,7 +247,7 @@ def open_study(recipe: MergeRecipe, n_objectives: int, resume: bool, worker: boo
                                 directions=["maximize"] * n_objectives, load_if_exists=True)
     mine = recipe.model_dump(mode="json")
     theirs = study.user_attrs.get("recipe")
-    changed = [f for f in SEARCH_FIELDS if theirs and theirs.get(f) != mine[f]]
+    changed = [f for f in SEARCH_FIELDS if theirs and theirs.get(f, SEARCH_FIELD_DEFAULTS.get(f)) != mine[f]]
     if changed:
         raise OpdError(f"study {name!r} in {recipe.storage_label} was made with other {changed}: "
                        "restore them, or give the recipe another name or out directory")

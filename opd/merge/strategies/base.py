@@ -102,6 +102,11 @@ class Strategy:
     def check_params(self, params: dict[str, Any], distill) -> None:
         """Refuse (ValueError) fixed parameters that cannot work with the recipe's `distill` block."""
 
+    def reward_setting(self, params: dict[str, Any]) -> str | None:
+        """The setting by which the strategy (with the recipe's `params`) would call a capability's
+        reward, or None: a recipe with `verifier: none` refuses it. Weight-space merges read none."""
+        return None
+
     def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
         """Trial-record fields to set before the first build (`best_merge`: the search's best so far)."""
         return {}

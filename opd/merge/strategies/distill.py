@@ -80,6 +80,20 @@ class DistillStrategy(Strategy):
             err = e.errors()[0]
             raise ValueError(f"strategy {self.name!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
+    def reward_setting(self, params: dict[str, Any]) -> str | None:
+        """`reward_weight` fixed above 0 by the strategy (gspo), or a value, range or choice above 0 in
+        the recipe; None if neither. The recipe's `distill.reward_weight` is DistillConfig's to check."""
+        fixed = (self.distill_fixed or {}).get("reward_weight", 0.0)
+        if fixed > 0:
+            return f"reward_weight {fixed}, fixed by the strategy"
+        spec = params.get("reward_weight")
+        if spec is None:
+            return None
+        values = getattr(spec, "choices", None) or (spec if isinstance(spec, tuple) else [spec])
+        if any(isinstance(v, int | float) and v > 0 for v in values):
+            return f"reward_weight {getattr(spec, 'choices', spec)} can be above 0"
+        return None
+
     def start(self, cand: Candidate, best_merge: Callable[[], Candidate | None]) -> dict[str, Any]:
         init = self.merge_part(cand)
         return {"opd_init": best_merge() if init is None and self.init == "best" else init}
