@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -154,6 +155,14 @@ class MergeRecipe(BaseModel):
     eval_batch_size: int = Field(200, gt=0, le=4096, description="prompts per generate call when scoring "
                                  "(200: less CPU time per candidate than 64 on the lab, same answers there)")
     threads: int = Field(1, gt=0, description="torch CPU threads")
+    memory_budget: int = Field(16 << 30, gt=0, description="most bytes a merged candidate may take in memory "
+                               "(bytes, or a string such as '8GB', '512MiB'); a larger one is merged tensor by "
+                               "tensor to disk (<out>/spill/) and scored from there (docs/memory.md)")
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _bytes(cls, v):
+        return parse_bytes(v)
 
     @model_validator(mode="after")
     def _check(self):
@@ -208,6 +217,20 @@ class MergeRecipe(BaseModel):
         return redact_url(v)
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_bytes(v):
+    """'8GB' -> 8e9, '512MiB' -> 512 * 2**20, an int as it is (ValueError naming the units otherwise)."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", v)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"{v!r} is not a size: give bytes or a number with one of {sorted(_UNITS)[1:]}")
+        return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    return v
+
+
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> MergeRecipe:
     return load_yaml_model(path, MergeRecipe, "merge recipe", list(overrides), defaults={"name": Path(path).stem})
 
@@ -256,6 +279,21 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
         if state_dict_hash(model) != manifests[n].content_hash:
             raise OpdError(f"expert {n!r}: weights in {p} do not match its manifest's content_hash "
                            f"{manifests[n].content_hash} (changed after training?)")
-        sds[n] = sd
+        sds[n] = _held(p, sd)
+        del model, sd  # one expert in memory at a time: the search reads them tensor by tensor
     caps = list(recipe.capabilities or dict.fromkeys(m.capability for m in manifests.values()))
-    return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps)
+    return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps,
+                       base_sd=_held(base_path, base_sd, copy=True), memory_budget=recipe.memory_budget,
+                       spill_dir=recipe.out_dir / "spill")
+
+
+def _held(path: Path, sd: dict, copy: bool = False):
+    """How the search holds a model's weights: a lazy state dict over its safetensors (a tensor read on
+    access, opd.weights.lazy), in the loaded state dict's names and order; a model stored otherwise
+    (pytorch .bin) stays in memory (a copy with `copy`, when `sd` is a live model's)."""
+    from opd.weights.lazy import LazyStateDict
+
+    try:
+        return LazyStateDict(path, names=list(sd))
+    except (ValueError, KeyError, RuntimeError, FileNotFoundError):
+        return {k: v.detach().clone() for k, v in sd.items()} if copy else sd

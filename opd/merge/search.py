@@ -37,6 +37,7 @@ from opd.merge.strategies import RUNS_DIR, SEARCH_STAGE, BuildContext, MergeInpu
 from opd.merge.weightspace import weightspace_interference
 from opd.paths import check_output, redact_url
 from opd.weights.layers import LayerValues
+from opd.weights.lazy import load_into
 from opd.weights.merge import Candidate
 
 # What an existing run directory of a merge recipe holds (one of them at least).
@@ -53,7 +54,7 @@ class Scorer:
         self.calls = 0
 
     def score(self, sd: dict, split: str, limit: int | None = None, caps: list[str] | None = None) -> dict[str, Score]:
-        self.model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
+        load_into(self.model, sd)  # tensor by tensor (sd may be lazy); a tied lm_head follows the embedding
         self.calls += 1
         return evaluate(self.model, self.tokenizer, caps or self.caps, split, limit=limit,
                         batch_size=self.batch_size, model_hash=state_dict_hash(self.model))

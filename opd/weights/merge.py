@@ -15,11 +15,13 @@ a merge (opd.distill.run) both merge through here.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 import torch
+from mergekit.merge_methods import PerGroupValues
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
@@ -178,11 +180,25 @@ def _per_model_params(cand: Candidate, m: Method, experts: list[str], base: str 
     return out
 
 
-def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
-                    expert_sds: dict[str, dict[str, torch.Tensor]],
-                    layers: LayerLayout | None = None) -> dict[str, torch.Tensor]:
+# Input bytes (all inputs' tensors together, float32) one call of mergekit's merge_state_dicts takes:
+# a merge visits the tensor names in order, a run of names at a time, so it holds one run of every
+# input's tensors plus the method's temporaries on them, not whole models. Small models fit in one
+# run (mergekit batches same-shaped tensors within a run); a tensor larger than this alone is a run.
+CHUNK_BYTES = 64 << 20
+
+
+def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
+                    expert_sds: Mapping[str, Mapping[str, torch.Tensor]],
+                    layers: LayerLayout | None = None, sink: Callable[[str, torch.Tensor], None] | None = None,
+                    chunk_bytes: int = CHUNK_BYTES) -> dict[str, torch.Tensor] | None:
     """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML.
-    A layer-wise candidate needs the models' `layers` (opd.weights.layers.layout_for)."""
+    A layer-wise candidate needs the models' `layers` (opd.weights.layers.layout_for).
+
+    Streams: the inputs may be lazy mappings (opd.weights.lazy.LazyStateDict) that read a tensor on
+    access; names are merged a run of at most `chunk_bytes` input bytes at a time with mergekit's
+    `merge_state_dicts`, so nothing holds all of the inputs' tensors at once. With `sink`, each merged
+    tensor goes to `sink(name, tensor)` as it is made (and None is returned); else the merged state
+    dict is returned."""
     from mergekit.merge_methods import merge_state_dicts
 
     m = _method(cand)
@@ -190,18 +206,54 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
     ids, base = _layout(m, experts)
     models = {i: (base_sd if i == BASE_ID else expert_sds[i]) for i in ids}
     params = {**cand.shared, **_per_model_params(cand, m, experts, base)}
+    names = list(models[ids[0]])
     if cand.layerwise:
-        params = _per_tensor(params, m.name, list(models[ids[0]]), layers)
+        params = _per_tensor(params, m.name, names, layers)
+    sizes = _tensor_bytes(base_sd if BASE_ID in models else models[ids[0]], names)
+    out: dict[str, torch.Tensor] = {}
     torch.manual_seed(cand.seed)
     with torch.no_grad(), cached_magnitude():  # each task vector's magnitudes sorted once per search
-        return merge_state_dicts(models, m.name, parameters=params, base=base)
+        for run in _runs(names, sizes, len(ids), chunk_bytes):
+            # mergekit's PerGroupValues hold one value per tensor of the state dicts it is given
+            p = {k: PerGroupValues([v.values[i] for i in run]) if isinstance(v, PerGroupValues) else v
+                 for k, v in params.items()}
+            chunk = {i: {names[j]: models[i][names[j]] for j in run} for i in ids}
+            merged = merge_state_dicts(chunk, m.name, parameters=p, base=base)
+            del chunk
+            for k, t in merged.items():
+                if sink is None:
+                    out[k] = t
+                else:
+                    sink(k, t)
+            del merged
+    return out if sink is None else None
+
+
+def _tensor_bytes(sd: Mapping[str, torch.Tensor], names: list[str]) -> list[int]:
+    """Each named tensor's float32 bytes, without reading a lazy state dict's tensors."""
+    from opd.weights.lazy import LazyStateDict
+
+    if isinstance(sd, LazyStateDict):
+        return [4 * sd.numel(n) for n in names]
+    return [4 * sd[n].numel() for n in names]
+
+
+def _runs(names: list[str], sizes: list[int], n_inputs: int, chunk_bytes: int) -> list[list[int]]:
+    """Consecutive index runs of `names` whose tensors, over all `n_inputs` inputs, stay within `chunk_bytes`."""
+    runs, cur, used = [], [], 0
+    for i, size in enumerate(sizes):
+        if cur and used + size * n_inputs > chunk_bytes:
+            runs.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += size * n_inputs
+    return runs + ([cur] if cur else [])
 
 
 def _per_tensor(params: dict[str, Any], name: str, names: list[str], layers: LayerLayout | None) -> dict:
     """Layer-wise values resolved tensor by tensor (mergekit's PerGroupValues, one per state-dict
     tensor in order) with the same mergekit function and gradient position as `run_merge`."""
     from mergekit import merge_methods as mm
-    from mergekit.merge_methods import PerGroupValues
 
     validate = {p.name: p.validate for p in mm.get(name).spec.parameters}
     out = {}
@@ -249,18 +301,38 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     return doc
 
 
-def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str], base_sd: dict[str, torch.Tensor],
-                    expert_sds: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str],
+                    base_sd: Mapping[str, torch.Tensor], expert_sds: Mapping[str, Mapping[str, torch.Tensor]],
+                    out_dir: str | Path | None = None) -> Mapping[str, torch.Tensor]:
     """The candidate's merged weights, equal to what `mergekit-yaml` writes for its YAML.
 
-    Deterministic methods run in memory. The randomised ones draw from torch's RNG tensor by
-    tensor in mergekit's own schedule order, which the in-memory batching does not follow, so
-    they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
+    Deterministic methods run in memory, streamed tensor by tensor from the inputs (`merge_in_memory`).
+    The randomised ones draw from torch's RNG tensor by tensor in mergekit's own schedule order, which
+    the in-memory batching does not follow, so they run through `run_merge` into a directory (about
+    0.05 s on the lab's models).
+
+    With `out_dir`, the merged tensors are written there as they are made (safetensors shards, by
+    mergekit's TensorWriter) and a lazy state dict over them is returned: the candidate is never whole
+    in memory (the search's `memory_budget`). Without it, the merged state dict is returned.
     """
+    from opd.weights.lazy import LazyStateDict
+
     _method(cand)
     _prepare(cand.strategy, expert_paths, cand.shared, cand.per_model, base_path)
+    layers = layout_for(base_path) if cand.layerwise else None
     if cand.strategy not in RANDOM_METHODS:
-        return merge_in_memory(cand, base_sd, expert_sds, layout_for(base_path) if cand.layerwise else None)
+        if out_dir is None:
+            return merge_in_memory(cand, base_sd, expert_sds, layers)
+        from mergekit.io.tensor_writer import TensorWriter
+
+        # shards of at most CHUNK_BYTES: each is written (and dropped) once full
+        with TensorWriter(str(out_dir), max_shard_size=CHUNK_BYTES) as writer:
+            merge_in_memory(cand, base_sd, expert_sds, layers, sink=writer.save_tensor)
+        return LazyStateDict(out_dir, names=list(base_sd))  # every input has the base's tensor names
+    if out_dir is not None:
+        run_mergekit(mergekit_config(cand, base_path, expert_paths), str(out_dir), seed=cand.seed,
+                     copy_tokenizer=False)
+        return LazyStateDict(out_dir)
     import tempfile
 
     from safetensors.torch import load_file
