@@ -105,6 +105,25 @@ def test_streamed_merge_equals_the_whole_model_merge_bit_for_bit(lab3, tmp_path,
     assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], sds["base"]["model.layers.0.mlp.up_proj.weight"])
 
 
+def test_ties_over_the_sort_cache_sorts_one_tensor_at_a_time_with_the_same_result(lab3, monkeypatch):
+    """Task vectors larger than the sort cache: the merge keeps a cache of one tensor's size instead
+    (memory of one sorted tensor, not the default cache's full size); the tensors are the same."""
+    from opd.weights import sort_cache
+
+    lab, sds = lab3
+    experts = list(lab["experts"])
+    cand = Candidate(strategy="ties", per_model={e: {"weight": 0.9, "density": 0.4} for e in experts})
+    ref = _reference(cand, sds["base"], {e: sds[e] for e in experts})
+    monkeypatch.setattr(sort_cache.CACHE, "max_bytes", 1000)
+    used = []
+    original = sort_cache.SortedMagnitudes.get
+    monkeypatch.setattr(sort_cache.SortedMagnitudes, "get", lambda self, w: used.append(self) or original(self, w))
+    merged = merge_in_memory(cand, sds["base"], {e: sds[e] for e in experts})
+    assert used and all(c is not sort_cache.CACHE and c.bytes <= c.max_bytes for c in used)
+    for k in ref:
+        assert torch.equal(merged[k], ref[k]), k
+
+
 def test_regmean_statistics_are_held_on_disk(lab3):
     from opd.weights import regmean
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
@@ -29,7 +28,7 @@ from opd.errors import OpdError
 from opd.weights import adamerging, regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
 from opd.weights.sort_cache import CACHE as SORT_CACHE
-from opd.weights.sort_cache import cached_magnitude
+from opd.weights.sort_cache import SortedMagnitudes, cached_magnitude
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
@@ -213,10 +212,12 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
         params = _per_tensor(params, m.name, names, layers)
     sizes = _tensor_bytes(base_sd if BASE_ID in models else models[ids[0]], names)
     out: dict[str, torch.Tensor] = {}
-    # Each task vector's magnitudes sorted once per search, when they all fit the sort cache: a merge
-    # visits the tensors in order, so over the cache's size its LRU would evict every entry before
-    # its next use, and hold its full size in memory for nothing.
-    sorted_once = cached_magnitude() if sum(sizes) * len(experts) <= SORT_CACHE.max_bytes else nullcontext()
+    # Each task vector's magnitudes sorted once per search, when they all fit the sort cache. Past its
+    # size the LRU would evict every entry before its next use (a merge visits the tensors in order)
+    # and hold its full size in memory for nothing: then a cache of one tensor's size keeps only the
+    # faster sort (opd.weights.sort_cache), and memory stays one sorted tensor.
+    fits = sum(sizes) * len(experts) <= SORT_CACHE.max_bytes
+    sorted_once = cached_magnitude() if fits else cached_magnitude(SortedMagnitudes(max(sizes, default=0)))
     torch.manual_seed(cand.seed)
     with torch.no_grad(), sorted_once:
         for run in _runs(names, sizes, len(ids), chunk_bytes):
