@@ -504,8 +504,14 @@ def _spill(stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
         atexit.register(shutil.rmtree, _SPILL, True)
     d = _SPILL / f"stats-{len(list(_SPILL.iterdir()))}"
     d.mkdir()
-    # a tied head's Gram is the head's own tensor under a second name: safetensors stores each tensor once
-    save_file({k: v.clone() for k, v in stats.items()}, d / "model.safetensors")
+    # a tied head's Gram is the head's own tensor under a second name, and safetensors refuses shared
+    # storage: that alias alone is copied (a copy of all would double the statistics in memory)
+    seen, own = set(), {}
+    for k, v in stats.items():
+        own[k] = v.clone() if v.data_ptr() in seen else v.contiguous()
+        seen.add(v.data_ptr())
+    save_file(own, d / "model.safetensors")
+    del own
     return LazyStateDict(d, names=list(stats), dtype=None)
 
 
