@@ -551,6 +551,8 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         summary["what_changed"] = history.what_changed(prev, summary)
     best_dir = save_best_model(recipe, inputs, best_cand, merge(inputs, best_cand, recipe, best_trial), summary)
     summary["best_model"] = str(best_dir)
+    if inputs.spill_dir is not None:  # the last over-budget candidate (memory_budget): saved as best/ if it won
+        shutil.rmtree(inputs.spill_dir, ignore_errors=True)
     write_report(recipe, summary, matrix)
     summary["seconds"] = time.time() - t0
     # A resumed or re-run study adds this invocation's time to the earlier ones' (the report of a
