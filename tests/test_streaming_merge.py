@@ -188,3 +188,40 @@ def test_bench_scale_fast_path_prints_the_final_line(tmp_path):
     assert re.fullmatch(r"peak_rss_over_model: \d+\.\d\d", lines[-1]), out.stdout[-2000:]
     for method in ("linear", "ties", "tsv_m", "iso_cts", "regmean"):
         assert any(line.split()[:1] == [method] for line in lines), (method, out.stdout)
+
+
+def test_a_search_over_its_memory_budget_scores_from_disk_as_one_in_memory(tmp_path, monkeypatch):
+    """The whole search with every candidate over memory_budget (merged to <out>/spill/, scored from
+    there) gives the trials, scores and best model of the same search in memory; the spill directory
+    is gone at the end."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_merge_fakes import build_fake_lab, write_recipe
+
+    from opd.merge.recipe import load_recipe
+    from opd.merge.search import run_recipe
+    from opd.merge.strategies import mergekit_methods
+
+    spilled = []
+    original = mergekit_methods.merge_candidate
+    monkeypatch.setattr(mergekit_methods, "merge_candidate",
+                        lambda *a: spilled.append(a[-1]) or original(*a))  # a[-1]: out_dir (None: in memory)
+    lab = build_fake_lab(tmp_path / "lab")
+    results = {}
+    for name, budget in (("roomy", "16GiB"), ("tight", 1000)):
+        out = tmp_path / name
+        recipe = load_recipe(write_recipe(tmp_path / f"{name}.yaml", lab, out, memory_budget=budget,
+                                          budget={"n_trials": 2}, final_candidates=1, screening={"limit": None},
+                                          strategies={"ties": {"density": [0.3, 1.0]}}))
+        run_recipe(recipe, live=False, log=lambda _: None)
+        assert not (out / "spill").exists()
+        results[name] = json.loads((out / "results.json").read_text())
+        results[name]["weights"] = load_file(next((out / "best").glob("*.safetensors")))
+    n = len(spilled) // 2
+    assert n and spilled[:n] == [None] * n
+    assert all(p == tmp_path / "tight" / "spill" / "candidate" for p in spilled[n:])
+    a, b = results["roomy"], results["tight"]
+    assert [(t["candidate"], t["scores"]) for t in a["trials"]] == [(t["candidate"], t["scores"]) for t in b["trials"]]
+    assert a["weights"].keys() == b["weights"].keys()
+    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
