@@ -83,11 +83,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("method, shared, per", CASES, ids=[c[0] for c in CASES])
-def test_streamed_merge_equals_the_whole_model_merge_bit_for_bit(lab3, tmp_path, method, shared, per):
+def test_streamed_merge_equals_the_whole_model_merge_bit_for_bit(lab3, tmp_path, monkeypatch, method, shared, per):
     """Lazy inputs, one tensor per mergekit call, and the candidate written to disk all give the very
     tensors of one whole-model merge_state_dicts call: each method merges tensor by tensor (a group is
-    one tensor name), and mergekit's batching of same-shaped tensors computes each element alike."""
+    one tensor name), and mergekit's batching of same-shaped tensors computes each element alike.
+    With a run smaller than any tensor, the elementwise merges (linear, task arithmetic, the subspace
+    methods' task mean of vectors and vocabulary matrices) go a row at a time: the same numbers."""
     lab, sds = lab3
+    by_rows = set()
+    rows = LazyStateDict.rows
+    monkeypatch.setattr(LazyStateDict, "rows", lambda self, n, lo, hi: by_rows.add(n) or rows(self, n, lo, hi))
     experts = list(lab["experts"])
     paths = {e: str(lab["experts"][e]) for e in experts}
     cand = Candidate(strategy=method, shared=shared, per_model={e: dict(per) for e in experts})
@@ -103,6 +108,9 @@ def test_streamed_merge_equals_the_whole_model_merge_bit_for_bit(lab3, tmp_path,
         assert torch.equal(eager[k], ref[k]) and torch.equal(one_by_one[k], ref[k]), k
         assert torch.equal(on_disk[k], ref[k]), k
     assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], sds["base"]["model.layers.0.mlp.up_proj.weight"])
+    subspace_rows = {k for k in ref if ref[k].ndim != 2 or "embed" in k}  # what TSV-M / Iso do not decompose
+    want = {"linear": set(ref), "task_arithmetic": set(ref), "tsv_m": subspace_rows, "iso_cts": subspace_rows}
+    assert by_rows == want.get(method, set()) and "model.embed_tokens.weight" in subspace_rows
 
 
 def test_ties_over_the_sort_cache_sorts_one_tensor_at_a_time_with_the_same_result(lab3, monkeypatch):

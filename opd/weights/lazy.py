@@ -61,6 +61,21 @@ class LazyStateDict(Mapping):
     def __len__(self) -> int:
         return len(self._names)
 
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo:hi of tensor `name` (along its first axis), read without reading the rest."""
+        from safetensors import safe_open
+
+        if name not in self._set:
+            raise KeyError(name)
+        self.reads += 1
+        with safe_open(self._files[name], framework="pt", device="cpu") as f:
+            t = f.get_slice(name)[lo:hi]
+        return t if self.dtype is None or not t.is_floating_point() else t.to(self.dtype)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor `name` (from the header; the tensor is not read)."""
+        return self._header(name)[0]
+
     def _header(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype string) of a stored tensor, from its file's header (read once)."""
         from safetensors import safe_open

@@ -15,6 +15,7 @@ a merge (opd.distill.run) both merge through here.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,9 +225,13 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
             # mergekit's PerGroupValues hold one value per tensor of the state dicts it is given
             p = {k: PerGroupValues([v.values[i] for i in run]) if isinstance(v, PerGroupValues) else v
                  for k, v in params.items()}
-            chunk = {i: {names[j]: models[i][names[j]] for j in run} for i in ids}
-            merged = merge_state_dicts(chunk, m.name, parameters=p, base=base)
-            del chunk
+            name = names[run[0]]
+            if len(run) == 1 and sizes[run[0]] * len(ids) > chunk_bytes and _by_rows(m.name, name, models[ids[0]]):
+                merged = {name: _merge_rows(models, ids, name, m.name, p, base, chunk_bytes)}
+            else:
+                chunk = {i: {names[j]: models[i][names[j]] for j in run} for i in ids}
+                merged = merge_state_dicts(chunk, m.name, parameters=p, base=base)
+                del chunk
             for k, t in merged.items():
                 if sink is None:
                     out[k] = t
@@ -234,6 +239,46 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
                     sink(k, t)
             del merged
     return out if sink is None else None
+
+
+# Methods whose merged element depends only on the inputs' same element (and scalars): a tensor larger
+# than a run is merged a block of rows at a time, the same numbers as whole. The subspace methods and
+# WUDI only for what they do not decompose (vocabulary matrices, vectors: their task mean); TIES and
+# the other sparsifying methods never (each task vector's top-k is over the whole tensor), nor RegMean.
+_ELEMENTWISE = {"linear", "task_arithmetic"}
+_ELEMENTWISE_UNLESS_DECOMPOSED = {"tsv_m", "iso_c", "iso_cts", "wudi"}
+
+
+def _by_rows(method: str, name: str, sd: Mapping[str, torch.Tensor]) -> bool:
+    """Whether tensor `name` may be merged by `method` a block of rows at a time (same result)."""
+    from opd.weights.lazy import LazyStateDict
+
+    if method in _ELEMENTWISE:
+        return True
+    if method not in _ELEMENTWISE_UNLESS_DECOMPOSED:
+        return False
+    ndim = len(sd.shape(name)) if isinstance(sd, LazyStateDict) else sd[name].ndim
+    return ndim != 2 or subspace.is_vocabulary(name)
+
+
+def _merge_rows(models: dict, ids: list, name: str, method: str, params: dict, base, chunk_bytes: int) -> torch.Tensor:
+    """Tensor `name` merged by mergekit a block of rows at a time (each block within `chunk_bytes` over
+    all inputs), read from lazy inputs a block at a time."""
+    from mergekit.merge_methods import merge_state_dicts
+
+    from opd.weights.lazy import LazyStateDict
+
+    first = models[ids[0]]
+    shape = first.shape(name) if isinstance(first, LazyStateDict) else tuple(first[name].shape)
+    row_bytes = 4 * max(1, math.prod(shape[1:]))
+    step = max(1, chunk_bytes // (row_bytes * len(ids)))
+    blocks = []
+    for lo in range(0, shape[0], step):
+        chunk = {i: {name: models[i].rows(name, lo, lo + step) if isinstance(models[i], LazyStateDict)
+                     else models[i][name][lo:lo + step]} for i in ids}
+        blocks.append(merge_state_dicts(chunk, method, parameters=params, base=base)[name])
+        del chunk
+    return torch.cat(blocks)
 
 
 def _tensor_bytes(sd: Mapping[str, torch.Tensor], names: list[str]) -> list[int]:
