@@ -358,7 +358,7 @@ def collect_stats(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pa
         for h in handles:
             h.remove()
         model.train(was_training)
-    return {k: g / tokens for k, g in sums.items()}
+    return {k: g.div_(tokens) for k, g in sums.items()}  # in place: the sums are this call's own tensors
 
 
 @torch.no_grad()
@@ -494,7 +494,7 @@ def _spill(stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
     import shutil
     import tempfile
 
-    from safetensors.torch import save_file
+    from mergekit.io.tensor_writer import TensorWriter
 
     from opd.weights.lazy import LazyStateDict
 
@@ -503,15 +503,14 @@ def _spill(stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
         _SPILL = Path(tempfile.mkdtemp(prefix="opd-regmean-"))
         atexit.register(shutil.rmtree, _SPILL, True)
     d = _SPILL / f"stats-{len(list(_SPILL.iterdir()))}"
-    d.mkdir()
     # a tied head's Gram is the head's own tensor under a second name, and safetensors refuses shared
-    # storage: that alias alone is copied (a copy of all would double the statistics in memory)
-    seen, own = set(), {}
-    for k, v in stats.items():
-        own[k] = v.clone() if v.data_ptr() in seen else v.contiguous()
-        seen.add(v.data_ptr())
-    save_file(own, d / "model.safetensors")
-    del own
+    # storage: that alias alone is copied (a copy of all would double the statistics in memory). Written in shards of 64 MiB (mergekit's TensorWriter), so
+    # serialising does not copy all of them at once either.
+    seen = set()
+    with TensorWriter(str(d), max_shard_size=64 << 20) as w:
+        for k, v in stats.items():
+            w.save_tensor(k, v.clone() if v.data_ptr() in seen else v)
+            seen.add(v.data_ptr())
     return LazyStateDict(d, names=list(stats), dtype=None)
 
 
