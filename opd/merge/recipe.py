@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -213,6 +214,15 @@ class MergeRecipe(BaseModel):
                                  "which verifier: none rules out: drop it from strategies, or set verifier: capability")
         return verifier
 
+    memory_budget: int = Field(16 << 30, gt=0, description="most bytes a merged candidate may take in memory "
+                               "(bytes, or a string such as '8GB', '512MiB'); a larger one is merged tensor by "
+                               "tensor to disk (<out>/spill/) and scored from there (docs/memory.md)")
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _bytes(cls, v):
+        return parse_bytes(v)
+
     @model_validator(mode="after")
     def _check(self):
         from opd.capabilities import get_capability
@@ -285,6 +295,20 @@ class MergeRecipe(BaseModel):
         return redact_url(v)
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_bytes(v):
+    """'8GB' -> 8e9, '512MiB' -> 512 * 2**20, an int as it is (ValueError naming the units otherwise)."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", v)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"{v!r} is not a size: give bytes or a number with one of {sorted(_UNITS)[1:]}")
+        return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    return v
+
+
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> MergeRecipe:
     return load_yaml_model(path, MergeRecipe, "merge recipe", list(overrides), defaults={"name": Path(path).stem})
 
@@ -312,12 +336,28 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     for n, m in manifests.items():
         if m.base is not None and m.base.content_hash != base_hash:
             raise OpdError(f"expert {n!r} was trained from base {m.base.content_hash}, not {base_path} ({base_hash})")
+    base_sd = merge_keys(base_model.state_dict())
     sds = {}
     for n, p in paths.items():
         model = AutoModelForCausalLM.from_pretrained(p, dtype="float32")
         if not opened[n].byo and state_dict_hash(model) != manifests[n].content_hash:
             raise OpdError(f"expert {n!r}: weights in {p} do not match its manifest's content_hash "
                            f"{manifests[n].content_hash} (changed after training?)")
-        sds[n] = merge_keys(model.state_dict())
+        sds[n] = _held(p, merge_keys(model.state_dict()))
+        del model  # one expert in memory at a time: the search reads them tensor by tensor
     caps = list(recipe.tasks or recipe.capabilities or dict.fromkeys(t for m in manifests.values() for t in m.tasks))
-    return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps)
+    return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps,
+                       base_sd=_held(base_path, base_sd, copy=True), memory_budget=recipe.memory_budget,
+                       spill_dir=recipe.out_dir / "spill")
+
+
+def _held(path: Path, sd: dict, copy: bool = False):
+    """How the search holds a model's weights: a lazy state dict over its safetensors (a tensor read on
+    access, opd.weights.lazy), in the loaded state dict's names and order; a model stored otherwise
+    (pytorch .bin) stays in memory (a copy with `copy`, when `sd` is a live model's)."""
+    from opd.weights.lazy import LazyStateDict
+
+    try:
+        return LazyStateDict(path, names=list(sd))
+    except (ValueError, KeyError, RuntimeError, FileNotFoundError):
+        return {k: v.detach().clone() for k, v in sd.items()} if copy else sd

@@ -17,6 +17,7 @@ from opd.merge.history import what_changed_md
 from opd.merge.interference import as_table
 from opd.merge.strategies import BuildContext, get_strategy
 from opd.model_inputs import write_model_card
+from opd.weights.lazy import load_into
 
 
 class LiveBoard:
@@ -408,7 +409,7 @@ def save_best_model(recipe, inputs, cand, sd: dict, summary: dict) -> Path:
     """The best candidate as an HF model dir with a model card, the recipe that made it (its strategy
     says which: a mergekit YAML, a distillation's settings) and provenance."""
     model = inputs.base_model
-    model.load_state_dict(sd, strict=False)
+    load_into(model, sd)  # tensor by tensor: sd may be a candidate spilled to disk (opd.weights.lazy)
     final = recipe.out_dir / "best"
     paths = {e: str(Path(p).resolve()) for e, p in inputs.expert_paths.items()}
     label = summary["best"]
@@ -452,7 +453,7 @@ Recipe:
 ```yaml
 {yaml.safe_dump(summary['recipe'], sort_keys=False)}```
 """, summary["inputs"], ["merge", "mergekit", "opd", *card.tags])
-    model.load_state_dict(inputs.base_sd, strict=False)
+    load_into(model, inputs.base_sd)  # tensor by tensor: base_sd may be lazy (opd.weights.lazy)
     return final
 
 

@@ -39,6 +39,7 @@ from opd.merge.strategies import RUNS_DIR, SEARCH_STAGE, BuildContext, MergeInpu
 from opd.merge.weightspace import weightspace_interference
 from opd.paths import check_output, redact_url
 from opd.weights.layers import LayerValues
+from opd.weights.lazy import load_into
 from opd.weights.merge import Candidate
 
 # What an existing run directory of a merge recipe holds (one of them at least).
@@ -62,10 +63,9 @@ class Scorer:
         self.calls = 0
 
     def score(self, sd: dict, split: str, limit: int | None = None, caps: list[str] | None = None) -> dict[str, Score]:
-        # tied lm_head follows the embedding. The merged weights stay on the CPU in float32: load_state_dict
-        # copies each into the scorer's parameter, onto its device and dtype (`param.copy_(input_param)` in
-        # torch/nn/modules/module.py, `_load_from_state_dict`)
-        self.model.load_state_dict(sd, strict=False)
+        # tensor by tensor (sd may be lazy); a tied lm_head follows the embedding. The merged weights stay on
+        # the CPU in float32: copy_ moves each onto the scorer's device and dtype
+        load_into(self.model, sd)
         self.calls += 1
         if self.scoring is not None and self.scoring.backend != "hf":
             from opd.evaluation.backends import evaluate_on_disk
@@ -601,6 +601,8 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
         summary["what_changed"] = history.what_changed(prev, summary)
     best_dir = save_best_model(recipe, inputs, best_cand, merge(inputs, best_cand, recipe, best_trial), summary)
     summary["best_model"] = str(best_dir)
+    if inputs.spill_dir is not None:  # the last over-budget candidate (memory_budget): saved as best/ if it won
+        shutil.rmtree(inputs.spill_dir, ignore_errors=True)
     write_report(recipe, summary, matrix)
     summary["seconds"] = time.time() - t0
     # A resumed or re-run study adds this invocation's time to the earlier ones' (the report of a

@@ -74,9 +74,11 @@ def pair_stats(base_sd: dict, expert_sds: dict[str, dict]) -> tuple[list[str], d
         g = stats.setdefault(layer_group(key, n), {k: torch.zeros(len(names), len(names), dtype=torch.float64)
                                                    for k in ("dot", "both", "agree")})
         flat_b = b.detach().reshape(-1)
+        # each expert's tensor read once (a lazy state dict reads it from disk on every access)
+        flat = [sd[key].detach().reshape(-1) for sd in expert_sds.values()]
         for lo in range(0, flat_b.numel(), _CHUNK):
-            tau = torch.stack([sd[key].detach().reshape(-1)[lo:lo + _CHUNK].double() - flat_b[lo:lo + _CHUNK].double()
-                               for sd in expert_sds.values()])  # (E, chunk)
+            tau = torch.stack([f[lo:lo + _CHUNK].double() - flat_b[lo:lo + _CHUNK].double()
+                               for f in flat])  # (E, chunk)
             s = tau.sign()
             nz = (s != 0).double()
             g["dot"] += tau @ tau.T

@@ -209,7 +209,14 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
             batches.append(completion_batch(model, tokenizer, manifests[c].capability, samples, DATA_SEED))
         ids = {c: i for i, c in canons.items()}
         start = _start(base_sd, dict(zip((ids[c] for c in order), experts)), data, prompts, inputs)
-        deltas = [{k: e[k] - base_sd[k] for k in base_sd} for e in experts]
+        # Memory (docs/memory.md): the fit differentiates through θ = base + Σ λ_t τ_t over the whole
+        # model, so it holds every expert's task vector at once, N models: the one merge method that
+        # does not stream. Each expert's tensors become its task vector in place, so that is N, not 2N.
+        deltas = experts
+        for e in deltas:
+            for k in base_sd:
+                e[k] = e[k] - base_sd[k]
+        del experts, model, sd
         with _fit_bar(steps, len(order)) as progress:
             a, lam, _ = fit(base_model, base_sd, start, deltas, batches, steps, lr, batch, seed, granularity,
                             progress)

@@ -15,17 +15,21 @@ a merge (opd.distill.run) both merge through here.
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 import torch
+from mergekit.merge_methods import PerGroupValues
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
 from opd.weights import adamerging, regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
-from opd.weights.sort_cache import cached_magnitude
+from opd.weights.sort_cache import CACHE as SORT_CACHE
+from opd.weights.sort_cache import SortedMagnitudes, cached_magnitude
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
@@ -178,11 +182,25 @@ def _per_model_params(cand: Candidate, m: Method, experts: list[str], base: str 
     return out
 
 
-def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
-                    expert_sds: dict[str, dict[str, torch.Tensor]],
-                    layers: LayerLayout | None = None) -> dict[str, torch.Tensor]:
+# Input bytes (all inputs' tensors together, float32) one call of mergekit's merge_state_dicts takes:
+# a merge visits the tensor names in order, a run of names at a time, so it holds one run of every
+# input's tensors plus the method's temporaries on them, not whole models. Small models fit in one
+# run (mergekit batches same-shaped tensors within a run); a tensor larger than this alone is a run.
+CHUNK_BYTES = 64 << 20
+
+
+def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
+                    expert_sds: Mapping[str, Mapping[str, torch.Tensor]],
+                    layers: LayerLayout | None = None, sink: Callable[[str, torch.Tensor], None] | None = None,
+                    chunk_bytes: int = CHUNK_BYTES) -> dict[str, torch.Tensor] | None:
     """Merge state dicts with mergekit's tensor functions; same tensors as `run_merge` on the YAML.
-    A layer-wise candidate needs the models' `layers` (opd.weights.layers.layout_for)."""
+    A layer-wise candidate needs the models' `layers` (opd.weights.layers.layout_for).
+
+    Streams: the inputs may be lazy mappings (opd.weights.lazy.LazyStateDict) that read a tensor on
+    access; names are merged a run of at most `chunk_bytes` input bytes at a time with mergekit's
+    `merge_state_dicts`, so nothing holds all of the inputs' tensors at once. With `sink`, each merged
+    tensor goes to `sink(name, tensor)` as it is made (and None is returned); else the merged state
+    dict is returned."""
     from mergekit.merge_methods import merge_state_dicts
 
     m = _method(cand)
@@ -190,18 +208,104 @@ def merge_in_memory(cand: Candidate, base_sd: dict[str, torch.Tensor],
     ids, base = _layout(m, experts)
     models = {i: (base_sd if i == BASE_ID else expert_sds[i]) for i in ids}
     params = {**cand.shared, **_per_model_params(cand, m, experts, base)}
+    names = list(models[ids[0]])
     if cand.layerwise:
-        params = _per_tensor(params, m.name, list(models[ids[0]]), layers)
+        params = _per_tensor(params, m.name, names, layers)
+    sizes = _tensor_bytes(base_sd if BASE_ID in models else models[ids[0]], names)
+    out: dict[str, torch.Tensor] = {}
+    # Each task vector's magnitudes sorted once per search, when they all fit the sort cache. Past its
+    # size the LRU would evict every entry before its next use (a merge visits the tensors in order)
+    # and hold its full size in memory for nothing: then a cache of one tensor's size keeps only the
+    # faster sort (opd.weights.sort_cache), and memory stays one sorted tensor.
+    fits = sum(sizes) * len(experts) <= SORT_CACHE.max_bytes
+    sorted_once = cached_magnitude() if fits else cached_magnitude(SortedMagnitudes(max(sizes, default=0)))
     torch.manual_seed(cand.seed)
-    with torch.no_grad(), cached_magnitude():  # each task vector's magnitudes sorted once per search
-        return merge_state_dicts(models, m.name, parameters=params, base=base)
+    with torch.no_grad(), sorted_once:
+        for run in _runs(names, sizes, len(ids), chunk_bytes):
+            # mergekit's PerGroupValues hold one value per tensor of the state dicts it is given
+            p = {k: PerGroupValues([v.values[i] for i in run]) if isinstance(v, PerGroupValues) else v
+                 for k, v in params.items()}
+            name = names[run[0]]
+            if len(run) == 1 and sizes[run[0]] * len(ids) > chunk_bytes and _by_rows(m.name, name, models[ids[0]]):
+                merged = {name: _merge_rows(models, ids, name, m.name, p, base, chunk_bytes)}
+            else:
+                chunk = {i: {names[j]: models[i][names[j]] for j in run} for i in ids}
+                merged = merge_state_dicts(chunk, m.name, parameters=p, base=base)
+                del chunk
+            for k, t in merged.items():
+                if sink is None:
+                    out[k] = t
+                else:
+                    sink(k, t)
+            del merged
+    return out if sink is None else None
+
+
+# Methods whose merged element depends only on the inputs' same element (and scalars): a tensor larger
+# than a run is merged a block of rows at a time, the same numbers as whole. The subspace methods and
+# WUDI only for what they do not decompose (vocabulary matrices, vectors: their task mean); TIES and
+# the other sparsifying methods never (each task vector's top-k is over the whole tensor), nor RegMean.
+_ELEMENTWISE = {"linear", "task_arithmetic"}
+_ELEMENTWISE_UNLESS_DECOMPOSED = {"tsv_m", "iso_c", "iso_cts", "wudi"}
+
+
+def _by_rows(method: str, name: str, sd: Mapping[str, torch.Tensor]) -> bool:
+    """Whether tensor `name` may be merged by `method` a block of rows at a time (same result)."""
+    from opd.weights.lazy import LazyStateDict
+
+    if method in _ELEMENTWISE:
+        return True
+    if method not in _ELEMENTWISE_UNLESS_DECOMPOSED:
+        return False
+    ndim = len(sd.shape(name)) if isinstance(sd, LazyStateDict) else sd[name].ndim
+    return ndim != 2 or subspace.is_vocabulary(name)
+
+
+def _merge_rows(models: dict, ids: list, name: str, method: str, params: dict, base, chunk_bytes: int) -> torch.Tensor:
+    """Tensor `name` merged by mergekit a block of rows at a time (each block within `chunk_bytes` over
+    all inputs), read from lazy inputs a block at a time."""
+    from mergekit.merge_methods import merge_state_dicts
+
+    from opd.weights.lazy import LazyStateDict
+
+    first = models[ids[0]]
+    shape = first.shape(name) if isinstance(first, LazyStateDict) else tuple(first[name].shape)
+    row_bytes = 4 * max(1, math.prod(shape[1:]))
+    step = max(1, chunk_bytes // (row_bytes * len(ids)))
+    blocks = []
+    for lo in range(0, shape[0], step):
+        chunk = {i: {name: models[i].rows(name, lo, lo + step) if isinstance(models[i], LazyStateDict)
+                     else models[i][name][lo:lo + step]} for i in ids}
+        blocks.append(merge_state_dicts(chunk, method, parameters=params, base=base)[name])
+        del chunk
+    return torch.cat(blocks)
+
+
+def _tensor_bytes(sd: Mapping[str, torch.Tensor], names: list[str]) -> list[int]:
+    """Each named tensor's float32 bytes, without reading a lazy state dict's tensors."""
+    from opd.weights.lazy import LazyStateDict
+
+    if isinstance(sd, LazyStateDict):
+        return [4 * sd.numel(n) for n in names]
+    return [4 * sd[n].numel() for n in names]
+
+
+def _runs(names: list[str], sizes: list[int], n_inputs: int, chunk_bytes: int) -> list[list[int]]:
+    """Consecutive index runs of `names` whose tensors, over all `n_inputs` inputs, stay within `chunk_bytes`."""
+    runs, cur, used = [], [], 0
+    for i, size in enumerate(sizes):
+        if cur and used + size * n_inputs > chunk_bytes:
+            runs.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += size * n_inputs
+    return runs + ([cur] if cur else [])
 
 
 def _per_tensor(params: dict[str, Any], name: str, names: list[str], layers: LayerLayout | None) -> dict:
     """Layer-wise values resolved tensor by tensor (mergekit's PerGroupValues, one per state-dict
     tensor in order) with the same mergekit function and gradient position as `run_merge`."""
     from mergekit import merge_methods as mm
-    from mergekit.merge_methods import PerGroupValues
 
     validate = {p.name: p.validate for p in mm.get(name).spec.parameters}
     out = {}
@@ -249,18 +353,38 @@ def mergekit_config(cand: Candidate, base_path: str, expert_paths: dict[str, str
     return doc
 
 
-def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str], base_sd: dict[str, torch.Tensor],
-                    expert_sds: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str],
+                    base_sd: Mapping[str, torch.Tensor], expert_sds: Mapping[str, Mapping[str, torch.Tensor]],
+                    out_dir: str | Path | None = None) -> Mapping[str, torch.Tensor]:
     """The candidate's merged weights, equal to what `mergekit-yaml` writes for its YAML.
 
-    Deterministic methods run in memory. The randomised ones draw from torch's RNG tensor by
-    tensor in mergekit's own schedule order, which the in-memory batching does not follow, so
-    they run through `run_merge` into a temporary directory (about 0.05 s on the lab's models).
+    Deterministic methods run in memory, streamed tensor by tensor from the inputs (`merge_in_memory`).
+    The randomised ones draw from torch's RNG tensor by tensor in mergekit's own schedule order, which
+    the in-memory batching does not follow, so they run through `run_merge` into a directory (about
+    0.05 s on the lab's models).
+
+    With `out_dir`, the merged tensors are written there as they are made (safetensors shards, by
+    mergekit's TensorWriter) and a lazy state dict over them is returned: the candidate is never whole
+    in memory (the search's `memory_budget`). Without it, the merged state dict is returned.
     """
+    from opd.weights.lazy import LazyStateDict
+
     _method(cand)
     _prepare(cand.strategy, expert_paths, cand.shared, cand.per_model, base_path)
+    layers = layout_for(base_path) if cand.layerwise else None
     if cand.strategy not in RANDOM_METHODS:
-        return merge_in_memory(cand, base_sd, expert_sds, layout_for(base_path) if cand.layerwise else None)
+        if out_dir is None:
+            return merge_in_memory(cand, base_sd, expert_sds, layers)
+        from mergekit.io.tensor_writer import TensorWriter
+
+        # shards of at most CHUNK_BYTES: each is written (and dropped) once full
+        with TensorWriter(str(out_dir), max_shard_size=CHUNK_BYTES) as writer:
+            merge_in_memory(cand, base_sd, expert_sds, layers, sink=writer.save_tensor)
+        return LazyStateDict(out_dir, names=list(base_sd))  # every input has the base's tensor names
+    if out_dir is not None:
+        run_mergekit(mergekit_config(cand, base_path, expert_paths), str(out_dir), seed=cand.seed,
+                     copy_tokenizer=False)
+        return LazyStateDict(out_dir)
     import tempfile
 
     from safetensors.torch import load_file

@@ -358,7 +358,7 @@ def collect_stats(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pa
         for h in handles:
             h.remove()
         model.train(was_training)
-    return {k: g / tokens for k, g in sums.items()}
+    return {k: g.div_(tokens) for k, g in sums.items()}  # in place: the sums are this call's own tensors
 
 
 @torch.no_grad()
@@ -444,9 +444,19 @@ def merged_stats(models: Sequence[torch.nn.Module], sequences: Sequence[Sequence
     return stats
 
 
-_CACHE: dict[tuple, dict[str, Tensor]] = {}  # (content hash, capability, prompts, seed, inputs) -> stats
+# What the process keeps, and what it costs (docs/memory.md). Per expert and settings, its statistics:
+# for every nn.Linear a float64 Gram (in, in), plus an embedding's token shares (V,) and each RMSNorm's
+# moments (d,): 8 · Σ_linear in² bytes, e.g. 8 · (4·h² + 2·h² + i²) per Qwen3 block of hidden h,
+# intermediate i (q, k, v, o, gate, up, down; q, k and v see the same input, so do gate and up, but
+# each keeps its own Gram). They grow with the number of experts, as the method needs, but live on
+# disk (a safetensors file per expert in a temporary directory) and are read tensor by tensor
+# (opd.weights.lazy.LazyStateDict) as the streamed merge visits each layer: a merge holds one
+# layer's Grams of every expert, not all of them. The models are not kept: RegMean++ (propagate=
+# merged) loads the experts again from their directories for its block-by-block passes, and holds
+# them all while it runs, with their statistics in memory.
+_CACHE: dict[tuple, Mapping[str, Tensor]] = {}  # (content hash, capability, prompts, seed, inputs) -> stats
 _SEQS: dict[tuple, list[list[int]]] = {}  # same key -> the token ids they were taken over
-_MODELS: dict[tuple, tuple] = {}  # same key -> (model, pad id), kept for RegMean++'s passes
+_MODELS: dict[tuple, tuple] = {}  # same key -> (model directory, pad id), for RegMean++'s passes
 _CANON: dict[str, str] = {}  # merge input id or path -> its resolved path
 _BOUND: dict[tuple[str, int, str], tuple] = {}  # (resolved path, prompts, inputs) -> _CACHE key
 _MERGED: OrderedDict[tuple, dict[str, dict[str, Tensor]]] = OrderedDict()  # RegMean++ set -> path -> stats
@@ -473,8 +483,38 @@ def _ensure(path: str | Path, prompts: int, inputs: str = INPUTS) -> tuple:
         tied = tied_head(model)
         if tied is not None and tied[1] in stats:
             stats[tied[0] + HEAD] = stats[tied[1]]
-        _CACHE[key], _SEQS[key], _MODELS[key] = stats, seqs, (model, tokenizer.pad_token_id)
+        _CACHE[key], _SEQS[key], _MODELS[key] = _spill(stats), seqs, (str(path), tokenizer.pad_token_id)
     return key
+
+
+def _spill(stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
+    """The statistics written to a safetensors file of the process's spill directory, and a lazy
+    mapping over it: read a tensor at a time, so the cache does not hold N experts' Grams in memory."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from mergekit.io.tensor_writer import TensorWriter
+
+    from opd.weights.lazy import LazyStateDict
+
+    global _SPILL
+    if _SPILL is None:
+        _SPILL = Path(tempfile.mkdtemp(prefix="opd-regmean-"))
+        atexit.register(shutil.rmtree, _SPILL, True)
+    d = _SPILL / f"stats-{len(list(_SPILL.iterdir()))}"
+    # a tied head's Gram is the head's own tensor under a second name, and safetensors refuses shared
+    # storage: that alias alone is copied (a copy of all would double the statistics in memory). Written in shards of 64 MiB (mergekit's TensorWriter), so
+    # serialising does not copy all of them at once either.
+    seen = set()
+    with TensorWriter(str(d), max_shard_size=64 << 20) as w:
+        for k, v in stats.items():
+            w.save_tensor(k, v.clone() if v.data_ptr() in seen else v)
+            seen.add(v.data_ptr())
+    return LazyStateDict(d, names=list(stats), dtype=None)
+
+
+_SPILL: Path | None = None
 
 
 class _Settings(tuple):
@@ -525,9 +565,12 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
         return
     mkey = _merged_key(settings, members)
     if mkey not in _MERGED:
-        models = [_MODELS[k][0] for k in keys]
+        from transformers import AutoModelForCausalLM
+
+        models = [AutoModelForCausalLM.from_pretrained(_MODELS[k][0], dtype=torch.float32).eval() for k in keys]
         stats = merged_stats(models, [_SEQS[k] for k in keys], [_CACHE[k] for k in keys], _MODELS[keys[0]][1],
                              float(alpha), [float(w) for _, w in members], embeddings, norms)
+        del models
         _MERGED[mkey] = {canon: s for (canon, _), s in zip(members, stats)}
         while len(_MERGED) > MERGED_KEEP:
             _MERGED.popitem(last=False)

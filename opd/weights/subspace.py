@@ -177,10 +177,15 @@ _CONTRACT = InputContract(base=BasePolicy.REQUIRED, min_non_base=1)
 Alpha = Annotated[float, Field(description="scale of the merged task matrix")]
 
 
+def is_vocabulary(name: str) -> bool:
+    """Whether a tensor's name says it is a vocabulary matrix (embedding, lm_head)."""
+    return any(v in name for v in _VOCAB_NAMES)
+
+
 def decomposes(group: TensorGroup) -> bool:
     """Whether a tensor is merged by its spectrum: a 2-D weight that is not a vocabulary matrix."""
     name = group.metadata.name or ""
-    vocab = group.metadata.vocabulary_axis is not None or any(v in name for v in _VOCAB_NAMES)
+    vocab = group.metadata.vocabulary_axis is not None or is_vocabulary(name)
     return group.base.tensor.ndim == 2 and not vocab
 
 

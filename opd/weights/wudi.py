@@ -187,6 +187,8 @@ def prepare(paths: Mapping, shared: Mapping | None = None, per_model: Mapping | 
     if isinstance(data, int | float) and data < 0:
         raise OpdError(f"wudi: data must be >= 0, got {data}")
     if needs_data(data):
+        # the data term's Grams are RegMean's, held as RegMean holds them (on disk, read a layer at a
+        # time: opd.weights.regmean, docs/memory.md); data-free WUDI needs nothing beyond the tensors
         settings = {
             "prompts": shared.get("prompts", regmean.PROMPTS),
             "inputs": shared.get("inputs", regmean.INPUTS),

@@ -10,7 +10,7 @@ strategy is registering one more object.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,12 +31,19 @@ class MergeInputs:
     (opd.merge.recipe.load_inputs loads them)."""
 
     def __init__(self, base_path: Path, base_model, tokenizer, base_hash: str,
-                 experts: dict[str, Path], manifests: dict, expert_sds: dict, capabilities: list[str]):
-        # A copy: base_model is the scorer's working model, its weights change with each candidate.
-        self.base_sd = {k: v.detach().clone() for k, v in merge_keys(base_model.state_dict()).items()}
+                 experts: dict[str, Path], manifests: dict, expert_sds: Mapping, capabilities: list[str],
+                 base_sd: Mapping | None = None, memory_budget: int | None = None, spill_dir: Path | None = None):
+        # expert_sds: name -> Mapping tensor name -> tensor; load_inputs gives lazy ones
+        # (opd.weights.lazy.LazyStateDict) that read a tensor from disk when indexed, so merges stream
+        # and nothing holds every expert's weights. base_sd likewise; by default a copy (base_model is
+        # the scorer's working model, its weights change with each candidate).
+        self.base_sd = base_sd if base_sd is not None else {
+            k: v.detach().clone() for k, v in merge_keys(base_model.state_dict()).items()}
         self.base_path, self.base_model, self.tokenizer, self.base_hash = base_path, base_model, tokenizer, base_hash
         self.expert_paths, self.manifests, self.expert_sds = experts, manifests, expert_sds
         self.capabilities = capabilities
+        # a merged candidate larger than memory_budget bytes is written under spill_dir and scored from there
+        self.memory_budget, self.spill_dir = memory_budget, spill_dir
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,16 @@ A merge's weights are a function of the inputs' weights alone: `build` merges in
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from opd.errors import OpdError
 from opd.merge.strategies.base import BuildContext, MergeInputs, ModelCard, Strategy
+from opd.weights.lazy import state_dict_bytes
 from opd.weights.merge import BASE_ID, Candidate, Method, merge_candidate, mergekit_config, methods
 
 
@@ -63,7 +68,15 @@ class MergeStrategy(Strategy):
               ) -> tuple[dict, dict[str, Any]]:
         """The merge's weights; a merge needs no context and records nothing."""
         paths = {e: str(p) for e, p in inputs.expert_paths.items()}
-        return merge_candidate(cand, str(inputs.base_path), paths, inputs.base_sd, inputs.expert_sds), {}
+        out = None
+        budget = getattr(inputs, "memory_budget", None)
+        if budget is not None and state_dict_bytes(inputs.base_sd) > budget:
+            # over the budget: streamed to disk, scored from there (the search's Scorer reads it tensor by
+            # tensor); one candidate at a time, so the previous one's directory is replaced
+            spill = inputs.spill_dir or Path(tempfile.gettempdir()) / f"opd-spill-{os.getpid()}"
+            out = Path(spill) / "candidate"
+            shutil.rmtree(out, ignore_errors=True)
+        return merge_candidate(cand, str(inputs.base_path), paths, inputs.base_sd, inputs.expert_sds, out), {}
 
     def card(self, cand: Candidate, base_path: str, expert_paths: dict[str, str], ctx: BuildContext) -> ModelCard:
         if self.native:

@@ -1,0 +1,220 @@
+"""Peak memory and seconds per merged candidate as the number of experts grows (docs/memory.md).
+
+    python bench/bench_scale.py --quick          # 0.1B, N = 4 and 10 (a few minutes on 2 cores)
+    python bench/bench_scale.py                  # 0.1B and 0.5B, N = 4, 10 and 20
+    python bench/bench_scale.py --tiny           # pico models, N = 2 and 3 (the test's fast path)
+
+A synthetic Qwen3 base of the size (random weights from a transformers Qwen3Config) and N experts
+= base + a random rank-4 update + a random 1%-sparse update per tensor, written as safetensors one
+tensor run at a time (mergekit's TensorWriter), so building them does not hold N models. Each
+(method, N) merges one candidate in a fresh subprocess, as the search does when the candidate is
+over `memory_budget`: the inputs read tensor by tensor from disk (opd.weights.lazy), the candidate
+written to disk tensor by tensor. The child reports its peak RSS (VmHWM of /proc/self/status) over
+the merge, and for RegMean, separately, over its statistics pass (`prepare`: the peak is reset in
+between by writing 5 to /proc/self/clear_refs). RegMean's statistics come from opd's own path
+(opd.weights.regmean.prepare) on a small calibration batch: 8 train prompts of the lab's `add`
+capability per expert, prompt tokens only (inputs=prompt).
+
+Prints the torch thread count, one line per (method, N) (start_MiB: the resident set when the merge
+starts: the interpreter, torch, transformers, mergekit and opd imported; for RegMean also what its
+statistics pass left), the ratios N_max/N_min of peak RSS and of
+seconds, and last `peak_rss_over_model: X.XX`: the largest merge peak RSS over one model's size
+(float32 bytes) among the methods and N it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> Qwen3 shape; head_dim 64 (pico's 16); vocabulary beyond the lab's char tokenizer is unused
+SIZES = {
+    "pico": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, vocab_size=128),
+    "0.1B": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=28, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=64, vocab_size=8192),
+    "0.5B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=36, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=64, vocab_size=32768),
+}
+METHODS = {
+    "linear": ({}, {"weight": 1.0}),
+    "ties": ({}, {"weight": 1.0, "density": 0.3}),
+    "tsv_m": ({"alpha": 1.0}, {"weight": 1.0}),
+    "iso_cts": ({"alpha": 1.0, "common_space_fraction": 0.8}, {"weight": 1.0}),
+    "regmean": ({"alpha": 0.9, "prompts": 8, "inputs": "prompt"}, {"weight": 1.0}),
+}
+
+
+def build(root: Path, size: str, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[Path, list[Path], int]:
+    """root/base and root/e<i> (i < n), reused when already there; returns (base, experts, parameters)."""
+    from mergekit.io.tensor_writer import TensorWriter
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from opd.lab.tokenizer import build_char_tokenizer
+    from opd.weights.lazy import LazyStateDict
+
+    tok = build_char_tokenizer()
+    base = root / "base"
+    if not (base / "config.json").exists():
+        cfg = Qwen3Config(**SIZES[size], max_position_embeddings=256, tie_word_embeddings=True,
+                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model.save_pretrained(base)
+        tok.save_pretrained(base)
+        del model
+    base_sd = LazyStateDict(base, dtype=None)
+    experts = []
+    for i in range(n):
+        d = root / f"e{i}"
+        experts.append(d)
+        if (d / "manifest.json").exists():
+            continue
+        tmp = root / f".e{i}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        g = torch.Generator().manual_seed(seed * 1000 + i + 1)
+        with TensorWriter(str(tmp), max_shard_size=64 << 20) as w:
+            for k in base_sd:
+                b = base_sd[k].float()
+                delta = 0.01 * b.std().clamp_min(1e-3) * torch.randn(b.shape, generator=g) \
+                    * (torch.rand(b.shape, generator=g) < 0.01)  # 1% sparse
+                if b.ndim == 2:  # and rank 4
+                    u = torch.randn(b.shape[0], 4, generator=g)
+                    v = torch.randn(4, b.shape[1], generator=g)
+                    delta += 0.002 * b.std().clamp_min(1e-3) * (u @ v)
+                w.save_tensor(k, (b + delta).to(dtype))
+        for f in ("config.json", "generation_config.json"):
+            if (base / f).exists():
+                shutil.copy(base / f, tmp / f)
+        tok.save_pretrained(tmp)
+        # what opd.weights.regmean reads: the capability its prompts come from; the hash keys its cache
+        (tmp / "manifest.json").write_text(json.dumps({
+            "name": f"e{i}", "capability": "add", "content_hash": f"synthetic-{size}-{seed}-{i}",
+            "base": {"path": str(base), "content_hash": f"synthetic-{size}-{seed}"}}))
+        tmp.rename(d)
+    params = sum(base_sd.numel(k) for k in base_sd)
+    return base, experts, params
+
+
+def child(args) -> None:
+    """One candidate of one method over the first n experts, for each n given; a JSON line each."""
+    from opd.weights.lazy import LazyStateDict
+    from opd.weights.merge import Candidate, _prepare, merge_candidate
+
+    root = Path(args.dir)
+    base = root / "base"
+    for n in args.n:
+        experts = [root / f"e{i}" for i in range(n)]
+        shared, per = METHODS[args.method]
+        cand = Candidate(strategy=args.method, shared=shared, per_model={e.name: dict(per) for e in experts})
+        paths = {e.name: str(e) for e in experts}
+        base_sd = LazyStateDict(base)
+        expert_sds = {e.name: LazyStateDict(e, names=list(base_sd)) for e in experts}
+        _reset_peak()
+        t = time.perf_counter()
+        _prepare(args.method, paths, shared, cand.per_model, str(base))  # RegMean's statistics; others: nothing
+        prepare_s = time.perf_counter() - t
+        prepare_peak = _hwm()
+        start = _reset_peak()  # the merge's own peak from here
+        out = Path(tempfile.mkdtemp(prefix="cand-", dir=root))
+        t = time.perf_counter()
+        merged = merge_candidate(cand, str(base), paths, base_sd, expert_sds, out_dir=out)
+        merge_s = time.perf_counter() - t
+        assert len(merged) == len(base_sd)
+        shutil.rmtree(out)
+        print(json.dumps({"n": n, "peak": _hwm(), "start": start, "merge_s": merge_s, "prepare_s": prepare_s,
+                          "prepare_peak": prepare_peak}), flush=True)
+
+
+def _reset_peak() -> int:
+    """Reset VmHWM to the current resident set (Linux: 5 > clear_refs) and return it, bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _hwm()
+
+
+def _hwm() -> int:
+    """This process's peak resident set since start or the last reset, bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="0.1B, N = 4 and 10")
+    ap.add_argument("--tiny", action="store_true", help="pico, N = 2 and 3")
+    ap.add_argument("--sizes", nargs="*", default=None, choices=sorted(SIZES))
+    ap.add_argument("--n", nargs="*", type=int, default=None)
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--dir", help="where the synthetic models go (kept; default a temporary directory)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        return child(args)
+    sizes = args.sizes or (["pico"] if args.tiny else ["0.1B"] if args.quick else ["0.1B", "0.5B"])
+    ns = args.n or ([2, 3] if args.tiny else [4, 10] if args.quick else [4, 10, 20])
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="opd-bench-scale-"))
+    print(f"torch threads: {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; "
+          f"methods {args.methods}; N {ns}; sizes {sizes}")
+    worst = 0.0
+    try:
+        for size in sizes:
+            # bf16 storage for the 0.5B experts (20 of them in fp32 would be 40 GB); read as float32
+            dtype = torch.bfloat16 if size == "0.5B" else torch.float32
+            root = work / size
+            t = time.perf_counter()
+            base, _, params = build(root, size, max(ns), dtype)
+            model_bytes = 4 * params
+            print(f"size {size}: {params / 1e6:.1f}M parameters, one model {model_bytes / 2**20:.0f} MiB in float32 "
+                  f"(stored {str(dtype).removeprefix('torch.')}); {max(ns)} experts built in "
+                  f"{time.perf_counter() - t:.0f} s; {SIZES[size]}")
+            print(f"{'method':<9} {'N':>3} {'start_MiB':>9} {'peak_MiB':>9} {'over_model':>10} {'merge_s':>8} {'s_per_expert':>12} "
+                  f"{'prepare_s':>9} {'prepare_peak_over_model':>23}")
+            rows = {}
+            # a fresh process per (method, N), so one measurement does not leak into the next; --tiny
+            # (the test's fast path) runs each method's N in one process, peak reset in between
+            runs = [(m, [n]) for m in args.methods for n in ns] if not args.tiny else [(m, ns) for m in args.methods]
+            for method, group in runs:
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                cmd = [sys.executable, __file__, "--child", "--method", method, "--n", *map(str, group),
+                       "--dir", str(root), "--threads", str(args.threads)]
+                res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+                if res.returncode != 0:
+                    raise SystemExit(f"{method} N={group} failed:\n{res.stderr[-3000:]}")
+                for line in res.stdout.strip().splitlines()[-len(group):]:
+                    r = json.loads(line)
+                    n = r["n"]
+                    rows[method, n] = r
+                    over = r["peak"] / model_bytes
+                    worst = max(worst, over)
+                    print(f"{method:<9} {n:>3} {r['start'] / 2**20:>9.0f} {r['peak'] / 2**20:>9.0f} {over:>10.2f} "
+                          f"{r['merge_s']:>8.1f} {r['merge_s'] / n:>12.2f} {r['prepare_s']:>9.1f} "
+                          f"{r['prepare_peak'] / model_bytes:>23.2f}", flush=True)
+            lo, hi = min(ns), max(ns)
+            for method in args.methods:
+                a, b = rows[method, lo], rows[method, hi]
+                print(f"ratio {size} {method}: peak RSS N={hi}/N={lo} {b['peak'] / a['peak']:.2f}; "
+                      f"seconds N={hi}/N={lo} {b['merge_s'] / a['merge_s']:.2f} (linear in N: {hi / lo:.2f})")
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"peak_rss_over_model: {worst:.2f}")
+
+
+if __name__ == "__main__":
+    main()
