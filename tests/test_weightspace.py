@@ -119,7 +119,7 @@ def test_report_has_weightspace_section(tmp_path):
         "matrix": {"test": to_records(cells)},
         "weightspace": weightspace_interference(base, sds),
     }
-    recipe = SimpleNamespace(out_dir=tmp_path, name="t")
+    recipe = SimpleNamespace(out_dir=tmp_path, name="t", verifier="capability")
     write_report(recipe, summary, {"test": cells, "val": cells})
     md, page = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
     assert "## Weight-space interference" in md and "sign-conflict rate" in md
@@ -134,5 +134,5 @@ def test_report_has_weightspace_section(tmp_path):
     summary["inputs"]["experts"] = {"add": summary["inputs"]["experts"]["add"]}
     out = tmp_path / "one"
     out.mkdir()
-    write_report(SimpleNamespace(out_dir=out, name="t"), summary, {"test": cells, "val": cells})
+    write_report(SimpleNamespace(out_dir=out, name="t", verifier="capability"), summary, {"test": cells, "val": cells})
     assert "Weight-space" not in (out / "report.md").read_text() and not (out / "weightspace_cosine.png").exists()
