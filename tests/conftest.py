@@ -30,6 +30,23 @@ def _isolated(tmp_path, tmp_path_factory, monkeypatch):
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def scored(monkeypatch):
+    """Every lm-eval run as (model hash, split, limit): what the content-hash cache did not answer."""
+    import opd.evaluation.api as api
+    from opd.io import state_dict_hash
+
+    calls = []
+    real = api._run_lm_eval
+
+    def counting(model, tokenizer, capabilities, split, limit, batch_size, **kw):
+        calls.append((state_dict_hash(model), split, limit))
+        return real(model, tokenizer, capabilities, split, limit, batch_size, **kw)
+
+    monkeypatch.setattr(api, "_run_lm_eval", counting)
+    return calls
+
+
 def skip_missing(reason: str) -> None:
     """Skip a test for a missing system dependency, except under CI (`OPD_CI=1`, set by .ci/run),
     where what CI is meant to run must run: there it fails instead."""

@@ -11,7 +11,6 @@ import torch
 import yaml
 from test_merge_fakes import PICO, build_fake_lab, write_recipe
 
-import opd.evaluation.api as api
 import opd.model_inputs as mi
 from opd.errors import OpdError
 from opd.io import state_dict_hash
@@ -31,20 +30,6 @@ def byo_lab(root, caps=("add", "rev")) -> dict:
 def byo_recipe(path, lab, out, experts=None, **fields):
     experts = experts or [{"path": str(p), "tasks": [c]} for c, p in lab["experts"].items()]
     return write_recipe(path, lab, out, experts=experts, **fields)
-
-
-@pytest.fixture
-def scored(monkeypatch):
-    """Every lm-eval run as (model hash, split, limit): what the content-hash cache did not answer."""
-    calls = []
-    real = api._run_lm_eval
-
-    def counting(model, tokenizer, capabilities, split, limit, batch_size, **kw):
-        calls.append((state_dict_hash(model), split, limit))
-        return real(model, tokenizer, capabilities, split, limit, batch_size, **kw)
-
-    monkeypatch.setattr(api, "_run_lm_eval", counting)
-    return calls
 
 
 @pytest.fixture

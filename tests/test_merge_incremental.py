@@ -10,7 +10,6 @@ import pytest
 import torch
 from test_merge_fakes import build_fake_lab, write_recipe
 
-import opd.evaluation.api as api
 from opd.io import state_dict_hash
 from opd.merge import load_recipe, run_recipe
 from opd.merge.history import inputs_key, warm_params
@@ -29,20 +28,6 @@ def new_version(expert_dir, delta: float = 0.05) -> tuple[str, str]:
     new = state_dict_hash(model)
     (expert_dir / "manifest.json").write_text(json.dumps({**manifest, "content_hash": new, "version": 2}))
     return manifest["content_hash"], new
-
-
-@pytest.fixture
-def scored(monkeypatch):
-    """Every lm-eval run as (model hash, split, limit): what the content-hash cache did not answer."""
-    calls = []
-    real = api._run_lm_eval
-
-    def counting(model, tokenizer, capabilities, split, limit, batch_size, **kw):
-        calls.append((state_dict_hash(model), split, limit))
-        return real(model, tokenizer, capabilities, split, limit, batch_size, **kw)
-
-    monkeypatch.setattr(api, "_run_lm_eval", counting)
-    return calls
 
 
 def test_rerun_after_one_expert_changed(tmp_path, monkeypatch, scored):
