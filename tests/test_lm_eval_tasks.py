@@ -5,6 +5,7 @@ bad input refused at recipe load, and the scoring backends' arguments."""
 from __future__ import annotations
 
 import ast
+import json
 import math
 from pathlib import Path
 
@@ -327,13 +328,22 @@ def test_byo_recipe_runs_the_search(byo, tmp_path):
     raw = yaml.safe_load(text)
     raw.update(base=str(byo["base"]), include_path=byo["include_path"], out=str(tmp_path / "run"),
                experts=[{"path": e["path"], "tasks": e["tasks"]} for e in byo["experts"].values()],
-               budget={"n_trials": 3}, final_candidates=1, screening={"limit": 10, "warmup": 1})
+               budget={"n_trials": 3}, final_candidates=2, screening={"limit": 10, "warmup": 3})
+    # the shipped strategies at a CI size: a merge, and OPD with the fine-tunes as teachers routed by
+    # their tasks (a warm start on samples the lm-eval task's own scorer keeps, then on-policy steps)
+    raw["strategies"] = {"linear": raw["strategies"]["linear"],
+                         "opd": {**raw["strategies"]["opd"], "warmstart_steps": 4, "warmstart_prompts": 16,
+                                 "steps": 2}}
+    raw["budget"]["per_strategy"] = {"opd": 1}
+    raw["distill"] = {**raw["distill"], "prompts_per_step": 8, "eval_every": 2, "eval_limit": 10}
     p = tmp_path / "byo.yaml"
     p.write_text(yaml.safe_dump(raw))
     recipe = load_recipe(p)
     run_recipe(recipe, live=False, log=lambda *a: None)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "byo_arith" in report and "hash split" in report
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {t["candidate"]["strategy"] for t in results["trials"]} == {"linear", "opd"}
 
 
 def test_multiple_choice_task_with_validation_and_test_splits(tmp_path):
