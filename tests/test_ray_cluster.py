@@ -62,16 +62,18 @@ def _opd(tokenizer, lab, **cfg):
 
 
 @pytest.mark.parametrize("estimator,actors", [("sampled", {"per_actor": 2}),
-                                              ("full", {"replicas": {"add": 2}, "resources": {"CPU": 0.5}})])
+                                              ("full", {"replicas": {"add": 2}, "resources": {"CPU": 0.5}}),
+                                              ("topk", {"per_actor": 1})])
 def test_opd_with_ray_teacher_actors_equals_in_process(cluster, tmp_path, tokenizer, estimator, actors):
     """Two teachers on actors (sampled: one actor holds both; full: add over-provisioned with two
     actors, which split its rows): every step's loss, KLs and grad norm, and the student's weights,
-    equal the in-process bank's. (top-k reads the same gathered targets as full.)"""
+    equal the in-process bank's. top-k (one actor per teacher) reads the same gathered targets as full."""
     from opd.lab.pico import build_fake_lab
 
     lab = build_fake_lab(tmp_path / "lab", ("add", "rev"), scale=0.05)
-    local, s_local = _opd(tokenizer, lab, estimator=estimator)
-    remote, s_remote = _opd(tokenizer, lab, estimator=estimator, teachers_on="ray", teacher_actors=actors)
+    extra = {"topk": 8} if estimator == "topk" else {}
+    local, s_local = _opd(tokenizer, lab, estimator=estimator, **extra)
+    remote, s_remote = _opd(tokenizer, lab, estimator=estimator, teachers_on="ray", teacher_actors=actors, **extra)
     for a, b in zip(local.history, remote.history, strict=True):
         for k in ("loss", "grad_norm", "kl/add", "kl/rev"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
