@@ -320,7 +320,7 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.io import state_dict_hash
-    from opd.model_inputs import cached_hash, open_experts, read_header
+    from opd.model_inputs import cached_hash, open_experts, read_header, weights_hash
 
     # absolute: mergekit reads a relative path that is not a directory as a hub model id
     base_path = require_model_dir(recipe.base, "base", "build it with scripts/build_base.py or set base= to a "
@@ -339,25 +339,29 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     base_sd = merge_keys(base_model.state_dict())
     sds = {}
     for n, p in paths.items():
-        model = AutoModelForCausalLM.from_pretrained(p, dtype="float32")
-        if not opened[n].byo and state_dict_hash(model) != manifests[n].content_hash:
+        # an opd expert's weights against its manifest: the streamed hash, cached per version of the files
+        # (opd.model_inputs.weights_hash equals state_dict_hash of the model loaded in float32); no load
+        if not opened[n].byo and weights_hash(read_header(p, f"expert {n!r}")) != manifests[n].content_hash:
             raise OpdError(f"expert {n!r}: weights in {p} do not match its manifest's content_hash "
                            f"{manifests[n].content_hash} (changed after training?)")
-        sds[n] = _held(p, merge_keys(model.state_dict()))
-        del model  # one expert in memory at a time: the search reads them tensor by tensor
+        sds[n] = _held(p, list(base_sd))  # the tensor names and shapes were checked equal to the base's
     caps = list(recipe.tasks or recipe.capabilities or dict.fromkeys(t for m in manifests.values() for t in m.tasks))
     return MergeInputs(base_path, base_model, tokenizer, base_hash, paths, manifests, sds, caps,
-                       base_sd=_held(base_path, base_sd, copy=True), memory_budget=recipe.memory_budget,
+                       base_sd=_held(base_path, list(base_sd), copy_of=base_sd), memory_budget=recipe.memory_budget,
                        spill_dir=recipe.out_dir / "spill")
 
 
-def _held(path: Path, sd: dict, copy: bool = False):
+def _held(path: Path, names: list[str], copy_of: dict | None = None):
     """How the search holds a model's weights: a lazy state dict over its safetensors (a tensor read on
-    access, opd.weights.lazy), in the loaded state dict's names and order; a model stored otherwise
-    (pytorch .bin) stays in memory (a copy with `copy`, when `sd` is a live model's)."""
+    access, opd.weights.lazy) with `names` in order; a model stored otherwise (pytorch .bin) is loaded
+    and kept in memory (`copy_of`: a live model's state dict, copied instead of loaded)."""
     from opd.weights.lazy import LazyStateDict
 
     try:
-        return LazyStateDict(path, names=list(sd))
+        return LazyStateDict(path, names=names)
     except (ValueError, KeyError, RuntimeError, FileNotFoundError):
-        return {k: v.detach().clone() for k, v in sd.items()} if copy else sd
+        if copy_of is not None:
+            return {k: v.detach().clone() for k, v in copy_of.items()}
+        from transformers import AutoModelForCausalLM
+
+        return merge_keys(AutoModelForCausalLM.from_pretrained(path, dtype="float32").state_dict())
