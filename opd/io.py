@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine with id `pid` exists (one of another user's counts: the kill
+    signal 0 is refused, not unanswered)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -48,14 +50,14 @@ def sweep_stale(final: Path) -> None:
     old version back."""
     for p in final.parent.glob(f".{final.name}.old-*"):
         pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             if final.exists():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.rename(final)
     for p in final.parent.glob(f".{final.name}.tmp-*"):
         pid = p.name[len(f".{final.name}.tmp-"):].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 

@@ -24,7 +24,7 @@ import torch
 from opd.devices import place, resolve_device, resolve_dtype
 from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
-from opd.io import atomic_write_json, state_dict_hash
+from opd.io import atomic_write_json, pid_alive, state_dict_hash
 from opd.merge import history, trials
 from opd.merge.interference import (
     MIN_GAIN_Z,
@@ -306,8 +306,6 @@ def _abandoned(t: optuna.trial.FrozenTrial, storage, study: optuna.Study, deadli
     """Whether a RUNNING trial's worker is gone: a process of this machine that no longer exists, or
     (another machine's) a heartbeat older than the storage's grace period, or no worker tagged it by
     `deadline` (time.monotonic())."""
-    from opd.io import _pid_alive
-
     while trials.read(t).worker is None and time.monotonic() < deadline:
         time.sleep(0.1)
         t = storage.get_trial(t._trial_id)
@@ -317,7 +315,7 @@ def _abandoned(t: optuna.trial.FrozenTrial, storage, study: optuna.Study, deadli
     if not host:
         return True  # killed before it recorded its worker
     if host == socket.gethostname() and pid.isdigit():
-        return not _pid_alive(int(pid))
+        return not pid_alive(int(pid))
     if not hasattr(storage, "_get_stale_trial_ids"):  # a journal keeps no heartbeats: kept, as if alive
         return False
     return t._trial_id in set(storage._get_stale_trial_ids(study._study_id))
