@@ -6,6 +6,8 @@ text every `OPD_DISPLAY_EVERY` seconds (default 30), so a log shows progress ins
 
     with display.section("search", lambda: board):   # any rich renderable, rendered on demand
         ...
+
+`LiveBoard` is such a section for a search: a bar over trials and a table of the best so far.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console, Group, RenderableType
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 EVERY_ENV = "OPD_DISPLAY_EVERY"
 console = Console(stderr=True)
@@ -107,7 +110,41 @@ display = Display()
 def step_bar():
     """A rich Progress for a loop's section: each task's description, bar, steps done of total, elapsed
     time and an `info` field (add tasks with `info=""`)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[info]}"))
+
+
+class LiveBoard:
+    """A search's section of the display: a progress bar over its trials and a table of the best
+    candidates so far. `table()` is rebuilt by `advance`, after each trial, never from the display's
+    refresh thread (which would query the study's storage twice a second). Disabled (--no-live, a log
+    file), `advance` gives `log` one plain line per finished trial instead."""
+
+    def __init__(self, title: str, total: int | None, done: int, table: Callable[[], RenderableType], *,
+                 enabled: bool = True, log: Callable[[str], object] | None = None):
+        self.title, self.total, self.done, self.table = title, total, done, table
+        self.enabled, self.log = enabled, log
+
+    def __enter__(self) -> LiveBoard:
+        if not self.enabled:
+            return self
+        self.progress = Progress(TextColumn(self.title), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        # a resumed search starts its bar where the study had got to
+        self.task = self.progress.add_task("trials", total=self.total, completed=self.done)
+        self._shown = self.table()
+        self._section = display.section(self.title, lambda: Group(self.progress, self._shown))
+        self._section.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._section.__exit__(*exc)
+
+    def advance(self, line: Callable[[], str]) -> None:
+        """One more trial finished: the bar moves and the table is rebuilt, or (disabled) `log` gets `line()`."""
+        if not self.enabled:
+            if self.log is not None:
+                self.log(line())
+            return
+        self.progress.advance(self.task)
+        self._shown = self.table()

@@ -44,15 +44,16 @@ def test_search_and_opd_bars_share_the_process_display(monkeypatch):
     import optuna
 
     from opd import display as display_mod
+    from opd.display import LiveBoard
     from opd.distill.bar import opd_bar
     from opd.distill.config import DistillConfig
-    from opd.merge.report import LiveBoard
+    from opd.merge.report import best_table
 
     shared = Display(Console(file=io.StringIO(), force_terminal=True, width=200), every=0)
     monkeypatch.setattr(display_mod, "display", shared)
     study = optuna.create_study(directions=["maximize"])
     cfg = DistillConfig(steps=10, warmstart_steps=4)
-    with LiveBoard(study, 8, 3, enabled=True), opd_bar("trial-3 merge_opd", cfg) as progress:
+    with LiveBoard("merge search", 8, 3, lambda: best_table(study)), opd_bar("trial-3 merge_opd", cfg) as progress:
         class S:
             warm_step, step, best_min_retention, best_step = 4, 6, 0.91, 5
 

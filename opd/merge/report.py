@@ -1,4 +1,4 @@
-"""Merge reports: plots, report.md, a self-contained report.html, the best model's card, live board."""
+"""Merge reports: plots, report.md, a self-contained report.html, the best model's card, the live board's rows."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import yaml
+from rich.table import Table
 
 from opd.io import atomic_dir, atomic_write_json, atomic_write_text, state_dict_hash
 from opd.merge import trials
@@ -20,59 +21,19 @@ from opd.model_inputs import write_model_card
 from opd.weights.lazy import load_into
 
 
-class LiveBoard:
-    """The search's section of the live display (opd.display): a progress bar over trials and a
-    table of the best candidates so far, rebuilt after each trial (never from the display's refresh
-    thread, which would query the study's storage twice a second)."""
-
-    def __init__(self, study, n_trials: int | None, done: int, enabled: bool = True, top: int = 5, log=None):
-        self.study, self.n_trials, self.done, self.enabled, self.top = study, n_trials, done, enabled, top
-        self.log = log  # without the live display (--no-live, a log file): one plain line per finished trial
-
-    def __enter__(self):
-        if not self.enabled:
-            return self
-        from rich.console import Group
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        from opd.display import display
-
-        self.progress = Progress(TextColumn("merge search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        # a resumed search starts its bar where the study had got to
-        self.task = self.progress.add_task("trials", total=self.n_trials, completed=self.done)
-        self.table = self._table()
-        self._section = display.section("search", lambda: Group(self.progress, self.table))
-        self._section.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self._section.__exit__(*exc)
-
-    def _table(self):
-        from rich.table import Table
-
-        table = Table(title="best candidates (min retention)")
-        for col in ("trial", "strategy", "stage", "min retention", "retention per capability"):
-            table.add_column(col)
-        done = [(t, trials.read(t)) for t in self.study.get_trials(deepcopy=False) if t.values is not None]
-        done.sort(key=lambda tr: (tr[1].stage == "full", tr[1].min_retention or 0), reverse=True)
-        for t, rec in done[: self.top]:
-            table.add_row(str(t.number), rec.candidate.strategy, rec.stage or "",
-                          f"{rec.min_retention if rec.min_retention is not None else float('nan'):.3f}",
-                          " ".join(f"{c}={v:.2f}" for c, v in (rec.retention or {}).items()))
-        return table
-
-    def callback(self, study, trial) -> None:
-        if not self.enabled:
-            if self.log is not None:  # the study's count, so that workers sharing it agree
-                from optuna.trial import TrialState
-
-                done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-                self.log(trial_line(trial, done, self.n_trials))
-            return
-        self.progress.advance(self.task)
-        self.table = self._table()
+def best_table(study, top: int = 5):
+    """The live board's table (opd.display.LiveBoard): the `top` candidates so far, fully scored
+    first, by min retention."""
+    table = Table(title="best candidates (min retention)")
+    for col in ("trial", "strategy", "stage", "min retention", "retention per capability"):
+        table.add_column(col)
+    done = [(t, trials.read(t)) for t in study.get_trials(deepcopy=False) if t.values is not None]
+    done.sort(key=lambda tr: (tr[1].stage == "full", tr[1].min_retention or 0), reverse=True)
+    for t, rec in done[:top]:
+        table.add_row(str(t.number), rec.candidate.strategy, rec.stage or "",
+                      f"{rec.min_retention if rec.min_retention is not None else float('nan'):.3f}",
+                      " ".join(f"{c}={v:.2f}" for c, v in (rec.retention or {}).items()))
+    return table
 
 
 def trial_line(trial, done: int, n_trials: int | None) -> str:

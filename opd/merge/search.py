@@ -22,6 +22,7 @@ import optuna
 import torch
 
 from opd.devices import place, resolve_device, resolve_dtype
+from opd.display import LiveBoard
 from opd.errors import OpdError
 from opd.evaluation.api import Score, evaluate
 from opd.io import atomic_write_json, pid_alive, state_dict_hash
@@ -35,8 +36,10 @@ from opd.merge.interference import (
     to_records,
 )
 from opd.merge.recipe import Choices, LayerRange, MergeRecipe, load_inputs
+from opd.merge.report import best_table, headline, save_best_model, trial_line, write_report
 from opd.merge.strategies import RUNS_DIR, SEARCH_STAGE, BuildContext, MergeInputs, get_strategy, stages
 from opd.merge.weightspace import weightspace_interference
+from opd.model_inputs import hub_id
 from opd.paths import check_output, redact_url
 from opd.weights.layers import LayerValues
 from opd.weights.lazy import load_into
@@ -339,8 +342,6 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
                *, live: bool = True, log=None) -> None:
     """The search loop: merge in memory, screen on a val subset, promote to full val, record. Without
     the live display, `log` gets one line per finished trial."""
-    from opd.merge.report import LiveBoard
-
     experts, caps = list(inputs.expert_paths), inputs.capabilities
     screen = recipe.screening
     two_stage = screen.limit is not None
@@ -385,8 +386,14 @@ def run_search(recipe: MergeRecipe, inputs: MergeInputs, scorer: Scorer, refs: R
     callbacks = []
     if n_trials is not None:
         callbacks.append(optuna.study.MaxTrialsCallback(n_trials, states=(optuna.trial.TrialState.COMPLETE,)))
-    with LiveBoard(study, n_trials, done, enabled=live, log=log) as board:
-        callbacks.append(board.callback)
+    board = LiveBoard("merge search", n_trials, done, lambda: best_table(study), enabled=live, log=log)
+
+    def advance(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        # the study's count, so that workers sharing it agree
+        board.advance(lambda: trial_line(trial, len(finished(study)), n_trials))
+
+    callbacks.append(advance)
+    with board:
         study.optimize(objective, n_trials=remaining, timeout=recipe.budget.timeout_s, callbacks=callbacks,
                        catch=(ValueError, RuntimeError))
 
@@ -523,9 +530,6 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     The study is named by the inputs' content hashes: after an expert changed, a rerun opens a new
     study that starts from the earlier run's best settings, and the report opens with what changed.
     """
-    from opd.merge.report import save_best_model, write_report
-    from opd.model_inputs import hub_id
-
     torch.set_num_threads(recipe.threads)
     t0 = time.time()
     check_output(recipe.out_dir, "out", markers=RUN_DIR_MARKERS)
@@ -607,8 +611,6 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     # study that was killed halfway and resumed shows what the whole search cost).
     summary["total_seconds"] = summary["seconds"] + _earlier_seconds(recipe.out_dir / "results.json", name)
     atomic_write_json(recipe.out_dir / "results.json", summary)
-    from opd.merge.report import headline
-
     log(headline(summary))
     log(f"best: {best_label} -> {best_dir}; report: {Path(recipe.out_dir) / 'report.html'}")
     return summary
