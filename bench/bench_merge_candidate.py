@@ -82,7 +82,8 @@ def main() -> None:
     import optuna
 
     from opd.merge.recipe import MergeRecipe, load_inputs
-    from opd.merge.search import Scorer, suggest
+    from opd.merge.references import Scorer
+    from opd.merge.space import suggest
     from opd.weights.merge import merge_candidate, mergekit_config
 
     work = Path(tempfile.mkdtemp(prefix="opd-bench-merge-"))

@@ -12,12 +12,14 @@ text every `OPD_DISPLAY_EVERY` seconds (default 30), so a log shows progress ins
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 EVERY_ENV = "OPD_DISPLAY_EVERY"
@@ -67,8 +69,6 @@ class Display:
 
     def _start(self) -> None:
         if self.console.is_terminal:
-            from rich.live import Live
-
             self._live = Live(get_renderable=self.render, console=self.console, refresh_per_second=2,
                               transient=True)
             self._live.start()
@@ -88,8 +88,6 @@ class Display:
     def _plain(self) -> str:
         """The sections as plain text for a log, which has no width to fit: wide enough that bars and
         counts are not squeezed to "…" (a console off a terminal assumes 80 columns)."""
-        import io
-
         out = Console(file=io.StringIO(), width=max(self.console.width, 160), force_terminal=False,
                       color_system=None)
         out.print(self.render())

@@ -112,7 +112,7 @@ def device_steps() -> int:
     def scoring() -> str:
         from pathlib import Path
 
-        from opd.merge.search import Scorer
+        from opd.merge.references import Scorer
         from opd.merge.strategies import MergeInputs
         from opd.weights.merge import Candidate, merge_in_memory, merge_keys
 

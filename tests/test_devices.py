@@ -294,7 +294,7 @@ def test_a_bf16_expert_has_the_hash_a_float32_reader_computes(trained_pico_dir, 
 def test_scorer_in_another_dtype_scores_a_copy_and_leaves_the_merge_base(pico_model, tokenizer):
     """The merge search's scorer on `device` in `dtype`: merged state dicts stay on the CPU in float32 and
     are copied into the scorer's own model; the base the merges read is left as it was."""
-    from opd.merge.search import Scorer
+    from opd.merge.references import Scorer
     from opd.merge.strategies import MergeInputs
     from opd.weights.merge import merge_keys
 

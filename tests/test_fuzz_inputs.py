@@ -411,7 +411,7 @@ def test_cli_refuses_hostile_output(hostile, args, content):
 def test_storage_password_is_never_written_or_printed(tmp_path):
     """A postgresql URL with a password: dumps (results.json, best/manifest.json, the model card all
     take the recipe's dump) and errors carry '***' instead."""
-    from opd.merge.search import open_study
+    from opd.merge.study import open_study
 
     path = tmp_path / "r.yaml"
     url = "postgresql+psycopg://opd:hunter2@127.0.0.1:9/db"

@@ -77,7 +77,7 @@ def test_references_count_capabilities_whose_expert_beats_the_base_on_val():
     from types import SimpleNamespace
 
     from opd.evaluation.api import Score
-    from opd.merge.search import score_references
+    from opd.merge.references import score_references
 
     table = {"base": {"add": 0.1, "shift": 0.01}, "a": {"add": 0.6, "shift": 0.0}, "s": {"add": 0.1, "shift": 0.01}}
 

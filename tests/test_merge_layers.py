@@ -97,7 +97,7 @@ def test_search_suggests_one_value_per_group_and_export_rebuilds_it(lab5, tmp_pa
     """A recipe's `{range, layer_groups}` becomes one Optuna float per group; the candidate round-trips
     through JSON (results.json) and `python -m opd.merge export` rebuilds it with run_merge."""
     from opd.merge.export import export_trial
-    from opd.merge.search import suggest
+    from opd.merge.space import suggest
 
     lab, _ = lab5
     path = write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", strategies={

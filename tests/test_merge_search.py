@@ -63,6 +63,29 @@ def test_search_without_the_live_display_logs_a_line_per_trial(run):
         assert " min" in line and "val" in line, line
 
 
+def test_results_json_is_the_typed_summary(run):
+    """results.json is opd.merge.summary.SearchSummary as JSON: the keys the report, `opd report`, the
+    history and the lab's tables read (what run_recipe returns, too); it reads back into the model
+    unchanged, and the model refuses a key it does not know."""
+    from pydantic import ValidationError
+
+    from opd.merge.summary import SearchSummary
+
+    recipe, summary = run
+    on_disk = json.loads((recipe.out_dir / "results.json").read_text())
+    assert set(on_disk) == {"recipe", "study", "inputs", "objectives", "counted", "owners", "split_rules", "trials",
+                            "final", "best", "matrix", "scorer_calls", "stages", "weightspace", "best_model",
+                            "seconds", "total_seconds"}  # no what_changed: no earlier study
+    assert json.dumps(summary, sort_keys=True) == json.dumps(on_disk, sort_keys=True)
+    typed = SearchSummary.model_validate(on_disk)
+    assert json.dumps(typed.to_json(), sort_keys=True) == json.dumps(on_disk, sort_keys=True)
+    assert set(next(iter(on_disk["inputs"]["experts"].values()))) == {"path", "content_hash", "version", "capability",
+                                                                     "tasks", "kind", "hub_id"}
+    assert set(next(iter(on_disk["final"].values()))) == {"trial", "candidate", "label"}
+    with pytest.raises(ValidationError):
+        SearchSummary.model_validate({**on_disk, "unknown": 1})
+
+
 def test_export_rebuilds_a_trial_with_mergekits_run_merge(run, capsys):
     """`python -m opd.merge export <run> <trial>`: the YAML, and the model run_merge builds from it,
     equal to the search's merge (also for a layer-wise trial: its density is a mergekit gradient);
@@ -296,7 +319,9 @@ class _StubScorer:
 
 def test_cheap_first_promotes_only_promising_candidates(tmp_path):
     from opd.merge.recipe import load_inputs
-    from opd.merge.search import References, open_study, run_search
+    from opd.merge.references import References
+    from opd.merge.search import run_search
+    from opd.merge.study import open_study
 
     lab = build_fake_lab(tmp_path / "lab")
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", budget={"n_trials": 12},

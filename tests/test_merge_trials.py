@@ -110,7 +110,7 @@ def test_final_candidates_reads_the_study_once_while_workers_finish_trials(tmp_p
     import yaml
 
     from opd.merge import load_recipe
-    from opd.merge.search import final_candidates
+    from opd.merge.study import final_candidates
     from opd.merge.trials import update
     from opd.weights.merge import Candidate
 

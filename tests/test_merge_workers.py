@@ -225,10 +225,10 @@ def test_resume_fails_only_abandoned_trials(tmp_path, monkeypatch):
     import socket
     import threading
 
-    from opd.merge import search
-    from opd.merge.search import open_study
+    from opd.merge import study as study_mod
+    from opd.merge.study import open_study
 
-    monkeypatch.setattr(search, "WORKER_TAG_WAIT_S", 2.0)
+    monkeypatch.setattr(study_mod, "WORKER_TAG_WAIT_S", 2.0)
     doc = {"name": "r", "experts": ["a", "b"], "strategies": {"linear": {}}, "out": str(tmp_path / "out")}
     (tmp_path / "r.yaml").write_text(__import__("yaml").safe_dump(doc))
     recipe = load_recipe(tmp_path / "r.yaml")

@@ -241,7 +241,7 @@ def test_verifier_field_resumes_old_checkpoints_and_studies():
     them resumable, and `none` is part of a run's identity (a verified run never resumes as one without)."""
     from opd.distill.loop import _identity
     from opd.distill.run import _settings
-    from opd.merge.search import SEARCH_FIELD_DEFAULTS, SEARCH_FIELDS
+    from opd.merge.study import SEARCH_FIELD_DEFAULTS, SEARCH_FIELDS
 
     assert "verifier" not in _identity(DistillConfig()) and _identity(DistillConfig(verifier="none"))["verifier"] == "none"
     old = {"name": "d", "distill": {"steps": 2}}

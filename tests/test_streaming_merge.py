@@ -150,7 +150,7 @@ def _inputs(lab, tmp_path, budget):
 
 
 def test_memory_budget_below_the_candidate_goes_through_disk_with_the_same_scores(lab3, tmp_path):
-    from opd.merge.search import Scorer
+    from opd.merge.references import Scorer
     from opd.merge.strategies import get_strategy
 
     lab, sds = lab3

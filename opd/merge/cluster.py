@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from opd.errors import OpdError
+from opd.merge.study import study_storage
 
 
 def search_on_ray(recipe_path: str, overrides: list[str], recipe, workers: int, address: str) -> None:
@@ -20,8 +21,6 @@ def search_on_ray(recipe_path: str, overrides: list[str], recipe, workers: int, 
     ray = connect(address, "--ray")
     check_shared(ray, recipe.out_dir, "--ray")
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
-    from opd.merge.search import study_storage
-
     study_storage(recipe)  # Optuna makes its tables on first connect: once, here, not by N workers at once
     cmd = [sys.executable, "-m", "opd.merge", "--recipe", str(Path(recipe_path).resolve()), "--worker", "--no-live",
            *overrides]
