@@ -186,6 +186,28 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     inputs = load_inputs(recipe)
     for name in recipe.strategies:
         get_strategy(name).check_inputs(len(inputs.expert_paths))
+    study, prev = start_study(recipe, inputs, resume, worker, fresh, log)
+    device = resolve_device(recipe.device)
+    dtype = resolve_dtype(recipe.dtype, device)
+    scorer = Scorer(inputs, recipe.eval_batch_size, device, dtype, recipe.scoring)
+    log(f"scoring on {device} in {str(dtype).removeprefix('torch.')}")
+    log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
+    refs = score_references(inputs, scorer, recipe.screening.limit)
+    left_out = [c for c in inputs.capabilities if c not in refs.counted]
+    if left_out:
+        log(f"not counted in min/mean retention (the expert does not beat the base by {MIN_GAIN_Z:g} stderr on "
+            f"val): {', '.join(left_out)}")
+    t_search = time.time()
+    run_search(recipe, inputs, scorer, refs, study, live=live, log=log)
+    if worker:
+        return {"trials": len(finished(study))}
+    return finish(recipe, inputs, study, scorer, refs, prev, t0, t_search, log)
+
+
+def start_study(recipe: MergeRecipe, inputs: MergeInputs, resume: bool, worker: bool, fresh: bool,
+                log) -> tuple[optuna.Study, dict | None]:
+    """The study named by the inputs' hashes, and the earlier study's results.json when the inputs
+    changed since (None after --fresh): a new study starts from its best settings."""
     hashes = {e: m.content_hash for e, m in inputs.manifests.items()}
     name = history.study_name(recipe, inputs.base_hash, hashes)
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
@@ -201,21 +223,13 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
                        name=name, warm=warm, log=log)
     if warm:
         log(f"inputs changed since study {warm[0]}: new study {name}, starting from its {len(warm[1])} best settings")
-    device = resolve_device(recipe.device)
-    dtype = resolve_dtype(recipe.dtype, device)
-    scorer = Scorer(inputs, recipe.eval_batch_size, device, dtype, recipe.scoring)
-    log(f"scoring on {device} in {str(dtype).removeprefix('torch.')}")
-    log(f"scoring base and {len(inputs.expert_paths)} experts on {inputs.capabilities}")
-    refs = score_references(inputs, scorer, recipe.screening.limit)
-    left_out = [c for c in inputs.capabilities if c not in refs.counted]
-    if left_out:
-        log(f"not counted in min/mean retention (the expert does not beat the base by {MIN_GAIN_Z:g} stderr on "
-            f"val): {', '.join(left_out)}")
-    t_search = time.time()
-    run_search(recipe, inputs, scorer, refs, study, live=live, log=log)
-    if worker:
-        return {"trials": len(finished(study))}
+    return study, prev
 
+
+def finish(recipe: MergeRecipe, inputs: MergeInputs, study: optuna.Study, scorer: Scorer, refs: References,
+           prev: dict | None, t0: float, t_search: float, log) -> dict:
+    """After the search: re-score the finalists on test, save the best (chosen on val) and write the
+    report and results.json; returns what results.json holds."""
     t_final = time.time()
     finals = final_candidates(recipe, study)
     log(f"re-scoring {len(finals)} final candidates on test")
@@ -240,7 +254,7 @@ def run_recipe(recipe: MergeRecipe, *, resume: bool = False, worker: bool = Fals
     # A resumed or re-run study adds this invocation's time to the earlier ones' (the report of a
     # study that was killed halfway and resumed shows what the whole search cost).
     summary = summary.model_copy(update={"seconds": seconds, "total_seconds": seconds + earlier_seconds(
-        recipe.out_dir / "results.json", name)})
+        recipe.out_dir / "results.json", study.study_name)})
     results = summary.to_json()
     atomic_write_json(recipe.out_dir / "results.json", results)
     log(headline(results))
