@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from opd_kernels import reverse_kl, selective_log_softmax
-from torch.utils.checkpoint import checkpoint
+from opd_kernels import selective_log_softmax
 
 from opd.distill.ahead import start_ahead
-from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_hidden
+from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_outputs
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
 from opd.distill.precision import resolve_inference_dtype
@@ -32,15 +31,7 @@ from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.errors import OpdError
 from opd.io import atomic_torch_save
-from opd.rl.distill_loss import (
-    mix_teacher_logprobs,
-    reward_mixed_advantages,
-    row_capability_weights,
-    sampled_advantages,
-    scatter_tokens,
-    sequence_mean_loss,
-    topk_reverse_kl,
-)
+from opd.rl.distill_loss import row_capability_weights, scatter_tokens
 from opd.rl.distributed import (
     common_step,
     init_distributed,
@@ -51,7 +42,8 @@ from opd.rl.distributed import (
     ranks_sum,
     zero_checkpoint_globals,
 )
-from opd.rl.gspo_loss import group_advantages, gspo_loss, k3_kl, masked_mean
+from opd.rl.estimators import Estimator, EstimatorSettings, Minibatch, get_estimator
+from opd.rl.gspo_loss import group_advantages
 from opd.rl.packing import TokenRows, hidden_at
 from opd.rollout import get_engine
 from opd.schedule import lr_at
@@ -100,6 +92,12 @@ def minibatches(batch: OpdBatch, n: int, generator: torch.Generator | None = Non
     return tuple((g[:, None] * G + torch.arange(G, device=g.device)).reshape(-1) for g in groups)
 
 
+def estimator_of(cfg: DistillConfig) -> Estimator:
+    """The config's reverse-KL estimator (opd.rl.estimators), configured by its settings."""
+    return get_estimator(cfg.estimator, EstimatorSettings(cfg.kl_weight, cfg.reward_weight, cfg.eps_low,
+                                                          cfg.eps_high, cfg.kernel_chunk, cfg.topk))
+
+
 def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher], backward=None,
              generator: torch.Generator | None = None) -> dict:
     """Minibatch updates on one batch; returns loss, clip and per-teacher KL statistics.
@@ -108,20 +106,14 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
     norm` (which also clips and steps). generator: the minibatch split's random source (default torch's
     global one; `sample_ahead` gives each step its own, as another thread may sample meanwhile).
     """
+    est = estimator_of(cfg)
+    outputs = teacher_outputs(batch, teachers, logits=est.reads_logits)
     cmask, real = batch.cmask, batch.cmask.bool()
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
     tok_index[real] = torch.arange(int(real.sum()), device=real.device)
     # only a reward term reads rewards (under verifier: none the batch has none and reward_weight is 0)
     reward_adv = group_advantages(batch.rewards).reshape(-1) if cfg.reward_weight > 0 else None  # (B,)
     row_w = row_capability_weights(batch.row_caps, cfg.capability_weights).to(cmask.device)  # (B,)
-    if cfg.estimator == "sampled":
-        adv = cfg.kl_weight * sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights),
-                                                 cmask)
-        if cfg.reward_weight > 0:
-            adv = reward_mixed_advantages(adv, reward_adv, cfg.reward_weight, cmask)
-        adv = adv * row_w[:, None]  # weights > 0 pass through GSPO's min and clip: the per-token loss x w
-    elif batch.target is None:  # no stacked teachers: per-teacher hidden states, chunked kernel
-        t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
     # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
     for rows in minibatches(batch, cfg.updates_per_batch, generator):
@@ -130,99 +122,13 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (n, H)
         W = lm_head_weight(policy.lm)  # (V, H)
         new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
-        if cfg.estimator == "sampled":
-            loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
-            st.pop("kl")  # GSPO's reference-KL penalty is off here; the teacher KLs are logged as kl/<name>
-        else:
-            if cfg.estimator == "topk":
-                kl, st = _topk_kl(h, W, batch, rows, tok_index[rows][r], t_hidden if batch.target is None else None,
-                                  teachers, cfg.topk, cfg.kernel_chunk)
-            elif batch.target is not None:
-                kl, st = _dense_kl(h, W, batch, rows, tok_index[rows][r], cfg.kernel_chunk)
-            else:
-                kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
-            loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m) * row_w[rows][:, None], m)
-        if cfg.estimator != "sampled" and cfg.reward_weight > 0:
-            pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows] * row_w[rows], m, cfg.eps_low,
-                              cfg.eps_high)
-            loss = loss + cfg.reward_weight * pg
+        mb = Minibatch(rows, m, h, W, new_lp, None if batch.old_lp is None else batch.old_lp[rows], tok_index[rows][r],
+                       row_w[rows], None if reward_adv is None else reward_adv[rows])
+        loss, st = est.loss(mb, outputs)
         gn = optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
             stats.setdefault(k, []).append(v)
-    out = {k: sum(v) / len(v) for k, v in stats.items()}
-    if cfg.estimator == "sampled":
-        # k3 (unbiased and never negative, unlike the plain log ratio) for readable per-teacher curves
-        for k, name in enumerate(batch.names):
-            served = (batch.weights[k] > 0)[:, None] & real  # (B, T)
-            if served.any():
-                out[f"kl/{name}"] = float(masked_mean(k3_kl(batch.old_lp, batch.teacher_lp[k]), served.float()))
-    return out
-
-
-def _dense_kl(h, W, batch: OpdBatch, rows, tok, chunk: int):
-    """sum_k w_k KL(pi_s || pi_k) per real token of `rows` (n,) from the batch's precomputed mixed
-    targets (one kernel call for all teachers), and each teacher's mean KL over the tokens it serves."""
-    kl = reverse_kl(h, W, teacher_logits=batch.target[tok], chunk_size=chunk) - batch.log_z[tok]  # (n,)
-    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
-    return kl, _teacher_means(kl, batch, row_of_tok)
-
-
-def _teacher_means(kl, batch: OpdBatch, row_of_tok) -> dict[str, float]:
-    """Each teacher's mean of the per-token `kl` over the tokens it serves (the logged kl/<name>)."""
-    st = {}
-    for k, name in enumerate(batch.names):
-        served = batch.weights[k, row_of_tok] > 0
-        if served.any():
-            st[f"kl/{name}"] = float(kl.detach()[served].mean())
-    return st
-
-
-def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
-    """Exact sum_k w_k KL(pi_s || pi_k) per real token of `rows` (n,), and each teacher's mean KL."""
-    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
-    kl = torch.zeros(h.shape[0], device=h.device)
-    st = {}
-    for k, name in enumerate(batch.names):
-        w = batch.weights[k, row_of_tok]  # (n,)
-        sel = (w > 0).nonzero().squeeze(1)
-        if not len(sel):
-            continue
-        kl_k = reverse_kl(h[sel], W, t_hidden[k][tok[sel]], lm_head_weight(teachers[name].model).detach(),
-                          chunk_size=chunk)  # (n_k,)
-        kl = kl.index_add(0, sel, w[sel] * kl_k)
-        st[f"kl/{name}"] = float(kl_k.detach().mean())
-    return kl, st
-
-
-def _topk_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, k: int, chunk: int):
-    """Top-k reverse KL (`topk_reverse_kl`) per real token of `rows` (n,) against the normalised
-    geometric mixture of each token's teachers, and each teacher's mean over the tokens it serves.
-
-    The mixture is the stacked path's precomputed target (`t_hidden` None) or is built here per
-    chunk from each teacher's hidden states; as in `_dense_kl`, its normaliser log_z is subtracted,
-    so with k >= V this is exactly sum_k w_k KL(pi_s || pi_k). Each chunk's (c, V) student logits are
-    recomputed in backward (checkpointed), so memory stays at one chunk's, as in the full kernels."""
-    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
-    parts = []
-    for s in range(0, h.shape[0], chunk):
-        e = min(s + chunk, h.shape[0])
-        with torch.no_grad():
-            if t_hidden is None:
-                target, log_z = batch.target[tok[s:e]], batch.log_z[tok[s:e]]  # (c, V), (c,)
-            else:
-                mixed = 0
-                for j, name in enumerate(batch.names):
-                    w = batch.weights[j, row_of_tok[s:e]]  # (c,)
-                    if (w > 0).any():
-                        zt = t_hidden[j][tok[s:e]] @ lm_head_weight(teachers[name].model).float().T  # (c, V)
-                        mixed = mixed + w[:, None] * torch.log_softmax(zt, -1)
-                log_z = torch.logsumexp(mixed, -1)
-                target = mixed - log_z[:, None]
-        kl = checkpoint(lambda hc, w_, t: topk_reverse_kl(hc.float() @ w_.float().T, t, k), h[s:e], W, target,
-                        use_reentrant=False)
-        parts.append(kl - log_z)
-    kl = torch.cat(parts)  # (n,)
-    return kl, _teacher_means(kl, batch, row_of_tok)
+    return {**{k: sum(v) / len(v) for k, v in stats.items()}, **est.batch_stats(batch.old_lp, cmask, outputs)}
 
 
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
@@ -467,7 +373,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 100_003 + step + rank * 1_000_003)
         t_score = time.perf_counter()
         batch = build_batch(sampler, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
-                            old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout,
+                            old_lp=estimator_of(cfg).reads_old_lp or cfg.reward_weight > 0, layout=cfg.layout,
                             rewards=cfg.verifier != "none")
         return batch, t_score - t_sample, time.perf_counter() - t_score
 
