@@ -241,19 +241,23 @@ def test_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path, toke
     from opd.distill import DistillConfig, loop
     from opd.lab.model import build_model
     from opd.lab.pico import PICO
+    from opd.rl import checkpoint
+    from opd.rl.checkpoint import Ranks
 
-    cfg, ranks = DistillConfig(), {"deepspeed": True, "world_size": 2}
+    cfg = DistillConfig()
     model = build_model(PICO, tokenizer, seed=0)
     opt = torch.optim.AdamW(model.parameters())
     path = tmp_path / "state.pt"
+    two = loop.checkpointer(path, cfg, Ranks(0, 2, True))
     for step in (1, 2):
-        loop.save_checkpoint(path, model, opt, loop.DistillState(step=step), random.Random(0), cfg, ranks)
+        two.save(model, opt, loop.DistillState(step=step).__dict__, random.Random(0))
     assert {p.name for p in tmp_path.iterdir()} == {"state.pt", "state.prev.pt"}
     # the other rank holds only step 1
-    monkeypatch.setattr(loop, "common_step", lambda steps: max(set(steps) & {1}, default=None))
-    assert loop.resume_checkpoint(path, cfg, ranks)["state"]["step"] == 1
+    monkeypatch.setattr(checkpoint, "common_step", lambda steps: max(set(steps) & {1}, default=None))
+    assert two.latest()["state"]["step"] == 1
     # a one-rank run (or a plain one) does not resume a two-rank checkpoint
-    assert loop.resume_checkpoint(path, cfg) is None
+    assert loop.checkpointer(path, cfg).latest() is None
+    assert loop.checkpointer(path, cfg, Ranks(0, 1, True)).latest() is None
 
 
 def test_gspo_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path, tokenizer, monkeypatch):

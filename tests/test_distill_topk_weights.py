@@ -14,7 +14,7 @@ from test_distill_fast import per_token_kl
 
 from opd.distill.batch import build_batch
 from opd.distill.config import DistillConfig, load_run
-from opd.distill.loop import StudentHidden, _identity, distill, opd_step
+from opd.distill.loop import StudentHidden, distill, opd_step, run_identity
 from opd.distill.routing import resolve_routes
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import completion_hidden, embedded_teacher, lm_head_weight
@@ -212,8 +212,8 @@ def test_topk_and_capability_weights_are_validated(tmp_path):
     with pytest.raises(OpdError, match="field 'distill.capability_weights.count'"):
         load_run(path, ["distill.capability_weights={count: 0}"])
     # unset, the new fields leave a checkpoint's identity as it was before they existed
-    assert not {"topk", "capability_weights"} & set(_identity(DistillConfig()))
-    assert {"topk", "capability_weights"} <= set(_identity(DistillConfig(estimator="topk", topk=2,
+    assert not {"topk", "capability_weights"} & set(run_identity(DistillConfig()))
+    assert {"topk", "capability_weights"} <= set(run_identity(DistillConfig(estimator="topk", topk=2,
                                                                           capability_weights={"count": 2})))
 
 
