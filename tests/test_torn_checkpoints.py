@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opd.expert.spec import ExpertSpec
-from opd.expert.trainer import RunState, load_checkpoint, save_checkpoint
+from opd.expert.trainer import RunState, checkpointer
 from opd.io import atomic_torch_save, previous_path, torn_path
 from opd.io import load_checkpoint as read_checkpoint
 
@@ -63,14 +63,15 @@ def test_gspo_resumes_from_previous_checkpoint(tmp_path, pico_model, how):
     run = ExpertSpec(capability="count", steps=3).run_settings()
     opt = torch.optim.AdamW(pico_model.parameters())
     path = tmp_path / "state.pt"
-    for step in (10, 20):
-        save_checkpoint(path, pico_model, opt, RunState(step=step), random.Random(0), run)
-    _tear(path, how)
     warnings = []
-    state, _ = load_checkpoint(path, pico_model, random.Random(0), run, warnings.append)
-    assert state.step == 10 and len(warnings) == 1
+    ck = checkpointer(path, run, log=warnings.append)
+    for step in (10, 20):
+        ck.save(pico_model, opt, RunState(step=step).__dict__, random.Random(0))
+    _tear(path, how)
+    state, _ = ck.restore(pico_model, random.Random(0))
+    assert state["step"] == 10 and len(warnings) == 1
     _tear(previous_path(path), how)
-    assert load_checkpoint(path, pico_model, random.Random(0), run, warnings.append) is None  # fresh start
+    assert ck.restore(pico_model, random.Random(0)) is None  # fresh start
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])
