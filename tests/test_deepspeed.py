@@ -316,7 +316,7 @@ def test_plain_distill_does_not_import_deepspeed(tmp_path):
     del run["deepspeed"]
     path.write_text(yaml.safe_dump(run))
     code = ("import sys\n"
-            "import opd.distill.run as r\n"
+            "import opd.distill.student as r\n"
             "def spy(*a, _inner=r.distill, **k):\n"
             "    state = _inner(*a, **k)\n"
             "    print('deepspeed imported:', 'deepspeed' in sys.modules)\n"
