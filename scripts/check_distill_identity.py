@@ -30,6 +30,8 @@ CASES: dict[str, dict] = {
     "default": {"steps": 50},
     "full-stacked-reward": {"steps": 12, "estimator": "full", "reward_weight": 0.5,
                             "capability_weights": {"count": 2.0}},
+    "sampled-reward-packed": {"steps": 8, "reward_weight": 0.5, "layout": "packed", "updates_per_batch": 2,
+                              "capability_weights": {"rev": 3.0}, "lr_schedule": "cosine"},
     "full-loop": {"steps": 8, "estimator": "full", "teacher_forward": "loop", "updates_per_batch": 2},
     "topk-stacked": {"steps": 8, "estimator": "topk", "topk": 8},
     "topk-loop-packed": {"steps": 8, "estimator": "topk", "topk": 8, "teacher_forward": "loop", "layout": "packed"},
