@@ -36,8 +36,9 @@ def main() -> None:
 
     from opd.distill import DistillConfig, resolve_routes
     from opd.distill.batch import build_batch, sample_batch
-    from opd.distill.loop import StudentHidden, _sampler_copy, opd_step
+    from opd.distill.loop import StudentHidden, opd_step
     from opd.distill.run import load_teachers
+    from opd.distill.sampler import sampler_copy
     from opd.distill.teacher_bank import TeacherBank
     from opd.rollout import get_engine
 
@@ -50,7 +51,7 @@ def main() -> None:
     student = AutoModelForCausalLM.from_pretrained(args.base, dtype="float32").train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     dtype = getattr(torch, args.dtype)
-    sampler = _sampler_copy(student, dtype)
+    sampler = sampler_copy(student, dtype)
     engine = get_engine("embedded", model=sampler, tokenizer=tok, compact_every=args.compact_every or None,
                         prefill=args.prefill)
     bank = TeacherBank(teachers, sorted({t for ts in routes.values() for t in ts}),

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -202,14 +203,24 @@ def readable_checkpoints(path: str | os.PathLike, log=print, safe_globals: list 
             if not isinstance(ck, dict):
                 raise TypeError(f"holds a {type(ck).__name__}, not a checkpoint")
             yield ck
-        except Exception as e:  # EOFError, RuntimeError (torn zip), UnpicklingError, ...
-            first = (str(e).strip().splitlines() or [""])[0][:120]
-            fallback = "trying the previous one" if p == path and previous_path(path).exists() else "starting fresh"
-            if p == path:  # set aside, or the next save would keep this torn file as the previous version
-                with contextlib.suppress(OSError):
-                    os.replace(p, torn_path(p))
-                    fallback = f"moved to {torn_path(p).name}; {fallback}"
-            log(f"warning: checkpoint {p} is unreadable ({type(e).__name__}: {first}); {fallback}")
+        except pickle.UnpicklingError as e:
+            if "Unsupported global" not in str(e):  # torch/_weights_only_unpickler.py names a class it refuses so
+                _unreadable(p, path, e, log)
+            else:  # whole, but holding classes not allowed here (a DeepSpeed run's, read by a plain run): left alone
+                log(f"warning: checkpoint {p} holds classes this run does not load (a DeepSpeed run's?); passed over")
+        except Exception as e:  # EOFError, RuntimeError (torn zip), ...
+            _unreadable(p, path, e, log)
+
+
+def _unreadable(p: Path, path: Path, e: Exception, log) -> None:
+    """Warn that checkpoint `p` (`path` or its previous version) cannot be read, and set `path` aside."""
+    first = (str(e).strip().splitlines() or [""])[0][:120]
+    fallback = "trying the previous one" if p == path and previous_path(path).exists() else "starting fresh"
+    if p == path:  # set aside, or the next save would keep this torn file as the previous version
+        with contextlib.suppress(OSError):
+            os.replace(p, torn_path(p))
+            fallback = f"moved to {torn_path(p).name}; {fallback}"
+    log(f"warning: checkpoint {p} is unreadable ({type(e).__name__}: {first}); {fallback}")
 
 
 def state_dict_hash(model_or_sd) -> str:

@@ -283,13 +283,15 @@ def test_search_opd_strategy_routes_by_byo_tasks(tmp_path, monkeypatch):
     inputs = load_inputs(load_recipe(byo_recipe(tmp_path / "r.yaml", lab, tmp_path / "out", experts)))
     assert inputs.capabilities == ["add", "rev"] and inputs.manifests["add"].tasks == ["add", "rev"]
     seen = {}
-    real = strategies.distill
+    import opd.distill.student as student_module
+
+    real = student_module.distill
 
     def recording(cfg, student, tokenizer, teachers, routes, *a, **k):
         seen["routes"] = routes
         return real(cfg, student, tokenizer, teachers, routes, *a, **k)
 
-    monkeypatch.setattr(strategies, "distill", recording)
+    monkeypatch.setattr(student_module, "distill", recording)
     cand = Candidate(strategy="opd", shared={"steps": 1, "prompts_per_step": 2, "group_size": 2})
     strategies.opd_student(inputs, cand, DistillConfig(max_new_tokens=4), "t", inputs.base_sd, tmp_path / "trial")
     assert seen["routes"] == {"add": {"add": 1.0}, "rev": {"add": 0.5, "rev": 0.5}}

@@ -241,19 +241,23 @@ def test_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path, toke
     from opd.distill import DistillConfig, loop
     from opd.lab.model import build_model
     from opd.lab.pico import PICO
+    from opd.rl import checkpoint
+    from opd.rl.checkpoint import Ranks
 
-    cfg, ranks = DistillConfig(), {"deepspeed": True, "world_size": 2}
+    cfg = DistillConfig()
     model = build_model(PICO, tokenizer, seed=0)
     opt = torch.optim.AdamW(model.parameters())
     path = tmp_path / "state.pt"
+    two = loop.checkpointer(path, cfg, Ranks(0, 2, True))
     for step in (1, 2):
-        loop.save_checkpoint(path, model, opt, loop.DistillState(step=step), random.Random(0), cfg, ranks)
+        two.save(model, opt, loop.DistillState(step=step).__dict__, random.Random(0))
     assert {p.name for p in tmp_path.iterdir()} == {"state.pt", "state.prev.pt"}
     # the other rank holds only step 1
-    monkeypatch.setattr(loop, "common_step", lambda steps: max(set(steps) & {1}, default=None))
-    assert loop.resume_checkpoint(path, cfg, ranks)["state"]["step"] == 1
+    monkeypatch.setattr(checkpoint, "common_step", lambda steps: max(set(steps) & {1}, default=None))
+    assert two.latest()["state"]["step"] == 1
     # a one-rank run (or a plain one) does not resume a two-rank checkpoint
-    assert loop.resume_checkpoint(path, cfg) is None
+    assert loop.checkpointer(path, cfg).latest() is None
+    assert loop.checkpointer(path, cfg, Ranks(0, 1, True)).latest() is None
 
 
 def test_gspo_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path, tokenizer, monkeypatch):
@@ -265,19 +269,24 @@ def test_gspo_multi_rank_resume_takes_the_latest_step_every_rank_holds(tmp_path,
     from opd.expert.spec import ExpertSpec
     from opd.lab.model import build_model
     from opd.lab.pico import PICO
+    from opd.rl import checkpoint
+    from opd.rl.checkpoint import Ranks
 
     run = ExpertSpec(capability="count", deepspeed=ZERO2).run_settings()
     model = build_model(PICO, tokenizer, seed=0)
     opt = torch.optim.AdamW(model.parameters())
     path = tmp_path / "state.pt"
+    two, one = trainer.checkpointer(path, run, Ranks(0, 2, True)), trainer.checkpointer(path, run, Ranks(0, 1, True))
     for step in (1, 2):
-        trainer.save_checkpoint(path, model, opt, trainer.RunState(step=step), random.Random(0), run)
-    monkeypatch.setattr(trainer, "common_step", lambda steps: max(set(steps) & {1}, default=None))
-    state, _ = trainer.load_checkpoint(path, model, random.Random(0), run, world=2)
-    assert state.step == 1
-    assert trainer.load_checkpoint(path, model, random.Random(0), run)[0].step == 2
-    monkeypatch.setattr(trainer, "common_step", lambda steps: None)  # no step in common: start fresh
-    assert trainer.load_checkpoint(path, model, random.Random(0), run, world=2) is None
+        two.save(model, opt, trainer.RunState(step=step).__dict__, random.Random(0))
+    monkeypatch.setattr(checkpoint, "common_step", lambda steps: max(set(steps) & {1}, default=None))
+    assert two.restore(model, random.Random(0))[0]["step"] == 1
+    assert one.latest() is None  # another number of ranks: its ZeRO partitions do not fit
+    for step in (1, 2):
+        one.save(model, opt, trainer.RunState(step=step).__dict__, random.Random(0))
+    assert one.restore(model, random.Random(0))[0]["step"] == 2  # one rank alone takes its newest
+    monkeypatch.setattr(checkpoint, "common_step", lambda steps: None)  # no step in common: start fresh
+    assert two.restore(model, random.Random(0)) is None
 
 
 @pytest.mark.parametrize("override, says", [
@@ -307,7 +316,7 @@ def test_plain_distill_does_not_import_deepspeed(tmp_path):
     del run["deepspeed"]
     path.write_text(yaml.safe_dump(run))
     code = ("import sys\n"
-            "import opd.distill.run as r\n"
+            "import opd.distill.student as r\n"
             "def spy(*a, _inner=r.distill, **k):\n"
             "    state = _inner(*a, **k)\n"
             "    print('deepspeed imported:', 'deepspeed' in sys.modules)\n"

@@ -145,15 +145,15 @@ def test_adaptive_mix_by_hand():
 def test_cosine_schedule_is_logged_and_pins_steps_for_resume(trained_pico_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from opd.distill.loop import _identity, step_lr
+    from opd.distill.loop import run_identity, step_lr
 
     cfg = DistillConfig(steps=4, lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.1, prompts_per_step=2, group_size=2)
     assert step_lr(cfg, 0) == pytest.approx(1e-3) and step_lr(cfg, 3) == pytest.approx(1e-4)
     assert step_lr(cfg.model_copy(update={"lr_schedule": "constant"}), 3) == pytest.approx(1e-3)
     # extending a cosine run changes every lr after step 0, so it must not resume the shorter run
-    assert _identity(cfg) != _identity(cfg.model_copy(update={"steps": 8}))
+    assert run_identity(cfg) != run_identity(cfg.model_copy(update={"steps": 8}))
     const = cfg.model_copy(update={"lr_schedule": "constant"})
-    assert _identity(const) == _identity(const.model_copy(update={"steps": 8}))
+    assert run_identity(const) == run_identity(const.model_copy(update={"steps": 8}))
     teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
     teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
     state = distill(cfg, build_model(PICO, tokenizer, seed=0), tokenizer, teachers,

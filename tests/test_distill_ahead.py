@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-import opd.distill.loop as loop
+import opd.distill.sampler as sampler
 from opd.distill.config import DistillConfig
 from opd.distill.loop import distill
 from opd.distill.routing import resolve_routes
 from opd.distill.teachers import embedded_teacher
 from opd.lab.model import build_model
 from opd.lab.pico import PICO
+from opd.rl.checkpoint import Checkpointer
 
-SAVE = loop.save_checkpoint  # the real one (each run's spy calls it, not an earlier run's spy)
+SAVE = Checkpointer.save  # the real one (each run's spy calls it, not an earlier run's spy)
 
 
 @pytest.fixture
@@ -27,11 +28,11 @@ def _run(cfg, tokenizer, teachers, ckpt, monkeypatch):
     """The run's history and the prompt RNG state each checkpoint saved, by step."""
     saved = {}
 
-    def spy(path, student, opt, state, rng, cfg, ranks=loop.PLAIN):
-        saved[state.step] = rng.getstate()
-        SAVE(path, student, opt, state, rng, cfg, ranks)
+    def spy(self, student, opt, state, rng):
+        saved[state["step"]] = rng.getstate()
+        SAVE(self, student, opt, state, rng)
 
-    monkeypatch.setattr(loop, "save_checkpoint", spy)
+    monkeypatch.setattr(Checkpointer, "save", spy)
     student = build_model(PICO, tokenizer, seed=0)
     state = distill(cfg, student, tokenizer, teachers, resolve_routes({"count": "count"}),
                     ckpt, log=lambda *_: None)
@@ -104,7 +105,7 @@ def test_process_worker_failure_names_the_worker_and_its_error(tmp_path, tokeniz
     def broken(*a, **k):
         raise KeyError("no such teacher row")
 
-    monkeypatch.setattr(loop, "build_batch", broken)  # the forked child inherits the patch
+    monkeypatch.setattr(sampler, "build_batch", broken)  # the forked child inherits the patch
     cfg = DistillConfig(estimator="full", steps=3, prompts_per_step=2, group_size=2, layout="packed",
                         sample_ahead=True, sample_worker="process")
     with pytest.raises(RuntimeError, match=r"sample-ahead worker process failed:(.|\n)*no such teacher row"):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import opd.distill.loop as loop
+import opd.distill.sampler as sampler_module
 from opd.distill.batch import build_batch, sample_batch
 from opd.distill.config import DistillConfig
-from opd.distill.loop import _identity, distill
+from opd.distill.loop import distill, run_identity
 from opd.distill.routing import resolve_routes
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import embedded_teacher
@@ -51,7 +51,7 @@ def test_a_bf16_bank_holds_bf16_weights_and_scores_close_to_fp32(teachers, token
 
 def test_the_student_samples_from_a_bf16_copy_synced_before_every_batch(teachers, tokenizer, monkeypatch):
     engines = []
-    real_get_engine = loop.get_engine
+    real_get_engine = sampler_module.get_engine
     gaps = []
 
     def spy_engine(kind, model, tokenizer, **options):
@@ -67,7 +67,7 @@ def test_the_student_samples_from_a_bf16_copy_synced_before_every_batch(teachers
         engine.generate = checked
         return engine
 
-    monkeypatch.setattr(loop, "get_engine", spy_engine)
+    monkeypatch.setattr(sampler_module, "get_engine", spy_engine)
     student = build_model(PICO, tokenizer, seed=0)
     cfg = DistillConfig(estimator="full", steps=5, lr=3e-3, prompts_per_step=8, group_size=2, layout="packed",
                         inference_dtype="bfloat16")
@@ -81,8 +81,8 @@ def test_the_student_samples_from_a_bf16_copy_synced_before_every_batch(teachers
 
 
 def test_inference_dtype_is_part_of_a_runs_identity_only_when_set():
-    assert "inference_dtype" not in _identity(DistillConfig())
-    assert _identity(DistillConfig(inference_dtype="bfloat16"))["inference_dtype"] == "bfloat16"
+    assert "inference_dtype" not in run_identity(DistillConfig())
+    assert run_identity(DistillConfig(inference_dtype="bfloat16"))["inference_dtype"] == "bfloat16"
 
 
 def test_an_unknown_inference_dtype_is_refused():

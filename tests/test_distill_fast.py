@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from opd.distill.batch import build_batch, teacher_hidden
+from opd.distill.batch import build_batch, teacher_outputs
 from opd.distill.config import DistillConfig
-from opd.distill.loop import _full_kl, distill
+from opd.distill.loop import distill
 from opd.distill.offpolicy import verified_samples
 from opd.distill.routing import resolve_routes
 from opd.distill.teacher_bank import TeacherBank, check_same_architecture
@@ -19,7 +19,17 @@ from opd.errors import OpdError
 from opd.lab.model import ModelShape, build_model
 from opd.lab.pico import PICO
 from opd.rl.batch import completion_targets, pad_sequences
+from opd.rl.estimators import EstimatorSettings, Minibatch, get_estimator
 from opd.rollout import Rollout
+
+
+def per_token_kl(name: str, h, W, batch, teachers, chunk: int = 1024, topk: int | None = None):
+    """Estimator `name`'s per-token KL over every row of `batch` (h: (N, H), all its real tokens) and its
+    per-teacher means: the stacked target when the batch has one, else each teacher's hidden states."""
+    rows = torch.arange(len(batch.cmask))
+    mb = Minibatch(rows, batch.cmask, h, W, None, None, torch.arange(h.shape[0]), torch.ones(len(rows)), None)
+    est = get_estimator(name, EstimatorSettings(chunk=chunk, topk=topk))
+    return est.per_token(mb, teacher_outputs(batch, teachers, logits=True))
 
 
 def _teachers(model, tok, n=3, scale=0.05):
@@ -72,15 +82,11 @@ def test_dense_and_loop_kl_agree_on_a_mixed_batch(pico_model, tokenizer):
                         bank=TeacherBank(teachers, sorted(teachers)))
     assert loop.target is None and dense.target is not None
     torch.testing.assert_close(loop.teacher_lp, dense.teacher_lp, atol=1e-5, rtol=0)
-    rows = torch.arange(3)
     real = loop.cmask.bool()
     h = completion_hidden(student, loop.ids, loop.attn, loop.plen, loop.cmask.shape[1])[real]
     W = lm_head_weight(student)
-    tok = torch.arange(int(real.sum()))
-    kl_loop, _ = _full_kl(h, W, loop, rows, tok, teacher_hidden(loop, teachers), teachers, 1024)
-    from opd.distill.loop import _dense_kl
-
-    kl_dense, st = _dense_kl(h, W, dense, rows, tok, 1024)
+    kl_loop, _ = per_token_kl("full", h, W, loop, teachers)
+    kl_dense, st = per_token_kl("full", h, W, dense, teachers)
     torch.testing.assert_close(kl_dense, kl_loop, atol=1e-5, rtol=1e-4)
     assert set(st) == {"kl/t0", "kl/t1", "kl/t2"}
 

@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 from opd_kernels import reverse_kl_from_logits
+from test_distill_fast import _teachers as perturbed_teachers
+from test_distill_fast import per_token_kl
 
-from opd.distill.batch import build_batch, teacher_hidden
+from opd.distill.batch import build_batch
 from opd.distill.config import DistillConfig, load_run
-from opd.distill.loop import StudentHidden, _dense_kl, _full_kl, _identity, _topk_kl, distill, opd_step
+from opd.distill.loop import StudentHidden, distill, opd_step, run_identity
 from opd.distill.routing import resolve_routes
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import completion_hidden, embedded_teacher, lm_head_weight
@@ -91,7 +93,6 @@ def test_row_capability_weights_by_hand():
 
 
 def _teachers(model, tok):
-    from test_distill_fast import _teachers as perturbed_teachers
 
     return perturbed_teachers(model, tok, scale=0.3)  # further from the student than there: top-k has a tail
 
@@ -115,7 +116,7 @@ def _kl_and_grads(fn, student, batch):
     h = completion_hidden(student, batch.ids, batch.attn, batch.plen, batch.cmask.shape[1])[real]
     h = h.detach().requires_grad_()
     W = lm_head_weight(student).detach().clone().requires_grad_()
-    kl, st = fn(h, W, batch, torch.arange(3), torch.arange(int(real.sum())))
+    kl, st = fn(h, W, batch)
     gh, gw = torch.autograd.grad(kl.sum(), (h, W))
     return kl.detach(), gh, gw, st
 
@@ -124,15 +125,14 @@ def test_topk_matches_the_full_estimator_at_full_vocabulary_on_both_paths(pico_m
     teachers = _teachers(pico_model, tokenizer)
     loop, dense = _mixed_batches(pico_model, teachers, tokenizer)
     V = lm_head_weight(pico_model).shape[0]
-    th = teacher_hidden(loop, teachers)
-    want = _kl_and_grads(lambda *a: _full_kl(*a, th, teachers, 1024), pico_model, loop)
-    for batch, t_hidden in ((loop, th), (dense, None)):
+    want = _kl_and_grads(lambda *a: per_token_kl("full", *a, teachers), pico_model, loop)
+    for batch in (loop, dense):
         for chunk in (1024, 2):  # one chunk, and several checkpointed ones
-            got = _kl_and_grads(lambda *a, b=t_hidden, c=chunk: _topk_kl(*a, b, teachers, V, c), pico_model, batch)
+            got = _kl_and_grads(lambda *a, c=chunk: per_token_kl("topk", *a, teachers, c, V), pico_model, batch)
             for g, w in zip(got[:3], want[:3]):
                 torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
             assert set(got[3]) == {"kl/t0", "kl/t1", "kl/t2"}
-    dense_full = _kl_and_grads(lambda *a: _dense_kl(*a, 1024), pico_model, dense)
+    dense_full = _kl_and_grads(lambda *a: per_token_kl("full", *a, teachers), pico_model, dense)
     torch.testing.assert_close(dense_full[0], want[0], atol=1e-5, rtol=1e-4)
 
 
@@ -141,9 +141,8 @@ def test_topk_paths_agree_below_full_vocabulary(pico_model, tokenizer):
     loss and gradient; the row with one teacher is exactly topk_reverse_kl against that teacher."""
     teachers = _teachers(pico_model, tokenizer)
     loop, dense = _mixed_batches(pico_model, teachers, tokenizer)
-    th = teacher_hidden(loop, teachers)
-    a = _kl_and_grads(lambda *x: _topk_kl(*x, th, teachers, 3, 2), pico_model, loop)
-    b = _kl_and_grads(lambda *x: _topk_kl(*x, None, teachers, 3, 1024), pico_model, dense)
+    a = _kl_and_grads(lambda *x: per_token_kl("topk", *x, teachers, 2, 3), pico_model, loop)
+    b = _kl_and_grads(lambda *x: per_token_kl("topk", *x, teachers, 1024, 3), pico_model, dense)
     for g, w in zip(a[:3], b[:3]):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
     real = loop.cmask.bool()
@@ -154,7 +153,7 @@ def test_topk_paths_agree_below_full_vocabulary(pico_model, tokenizer):
     zs = hs[2:2 + one] @ lm_head_weight(pico_model).T
     lt = torch.log_softmax(ht[2:2 + one] @ lm_head_weight(teachers["t1"].model).T, -1)
     torch.testing.assert_close(a[0][2:2 + one], topk_reverse_kl(zs, lt, 3).detach(), atol=1e-5, rtol=1e-4)
-    full = _kl_and_grads(lambda *x: _full_kl(*x, th, teachers, 1024), pico_model, loop)[0]
+    full = _kl_and_grads(lambda *x: per_token_kl("full", *x, teachers), pico_model, loop)[0]
     assert bool((a[0] <= full + 1e-5).all()) and bool((a[0] < full - 1e-4).any())  # a coarser KL, never above
 
 
@@ -167,11 +166,9 @@ def test_capability_weights_scale_each_rows_loss(pico_model, tokenizer):
     real = batch.cmask.bool()
     w = torch.tensor([3.0, 1.0, 1.0]) / (5 / 3)
     h = completion_hidden(pico_model, batch.ids, batch.attn, batch.plen, batch.cmask.shape[1])[real]
-    tok = torch.arange(int(real.sum()))
     with torch.no_grad():
-        per_token = {"full": _dense_kl(h, lm_head_weight(pico_model), batch, torch.arange(3), tok, 1024)[0],
-                     "topk": _topk_kl(h, lm_head_weight(pico_model), batch, torch.arange(3), tok, None, teachers,
-                                      2, 1024)[0]}
+        per_token = {"full": per_token_kl("full", h, lm_head_weight(pico_model), batch, teachers)[0],
+                     "topk": per_token_kl("topk", h, lm_head_weight(pico_model), batch, teachers, topk=2)[0]}
     for est, kl in per_token.items():
         padded = torch.zeros(real.shape).masked_scatter(real, kl)  # (B, T)
         row_means = padded.sum(1) / real.sum(1)
@@ -215,8 +212,8 @@ def test_topk_and_capability_weights_are_validated(tmp_path):
     with pytest.raises(OpdError, match="field 'distill.capability_weights.count'"):
         load_run(path, ["distill.capability_weights={count: 0}"])
     # unset, the new fields leave a checkpoint's identity as it was before they existed
-    assert not {"topk", "capability_weights"} & set(_identity(DistillConfig()))
-    assert {"topk", "capability_weights"} <= set(_identity(DistillConfig(estimator="topk", topk=2,
+    assert not {"topk", "capability_weights"} & set(run_identity(DistillConfig()))
+    assert {"topk", "capability_weights"} <= set(run_identity(DistillConfig(estimator="topk", topk=2,
                                                                           capability_weights={"count": 2})))
 
 
@@ -250,3 +247,12 @@ def test_topk_opd_lowers_student_kl_to_teacher(trained_pico_dir, tokenizer, forw
     after = _exact_kl(student, teacher, tokenizer, prompts)
     assert after < 0.8 * before, (before, after)
     assert {"kl/count", "loss", "grad_norm"} <= set(state.history[-1])
+
+
+def test_estimator_registry_refuses_an_unknown_name_and_lists_the_known():
+    from opd.rl.estimators import ESTIMATORS, get_estimator
+
+    assert sorted(ESTIMATORS) == ["full", "sampled", "topk"]
+    assert [get_estimator(n).reads_logits for n in ("sampled", "full", "topk")] == [False, True, True]
+    with pytest.raises(OpdError, match=r"estimator 'exact' is unknown; estimators opd has: \['full', 'sampled', 'topk'\]"):
+        get_estimator("exact")

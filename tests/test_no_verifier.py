@@ -239,11 +239,11 @@ def test_verifier_none_run_refusals(tmp_path, lab, capsys):
 def test_verifier_field_resumes_old_checkpoints_and_studies():
     """Runs and studies made before `verifier` existed used the capability's reward: the default keeps
     them resumable, and `none` is part of a run's identity (a verified run never resumes as one without)."""
-    from opd.distill.loop import _identity
+    from opd.distill.loop import run_identity
     from opd.distill.run import _settings
     from opd.merge.study import SEARCH_FIELD_DEFAULTS, SEARCH_FIELDS
 
-    assert "verifier" not in _identity(DistillConfig()) and _identity(DistillConfig(verifier="none"))["verifier"] == "none"
+    assert "verifier" not in run_identity(DistillConfig()) and run_identity(DistillConfig(verifier="none"))["verifier"] == "none"
     old = {"name": "d", "distill": {"steps": 2}}
     assert _settings(old) == _settings({**old, "verifier": "capability",
                                         "distill": {"steps": 2, "verifier": "capability"}})

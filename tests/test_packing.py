@@ -10,7 +10,7 @@ import torch
 
 from opd.distill.batch import build_batch
 from opd.distill.config import DistillConfig
-from opd.distill.loop import StudentHidden, _identity, minibatches, opd_step
+from opd.distill.loop import StudentHidden, minibatches, opd_step, run_identity
 from opd.distill.offpolicy import sft_loss
 from opd.distill.routing import resolve_routes
 from opd.distill.teacher_bank import TeacherBank
@@ -130,8 +130,8 @@ def test_packed_warm_start_loss_equals_the_padded_one(pico_model, tokenizer):
 
 def test_layout_padded_resumes_checkpoints_written_before_the_field():
     """Runs from before `layout` existed were padded: left at padded, the identity omits the field."""
-    assert "layout" not in _identity(DistillConfig())
-    assert _identity(DistillConfig(layout="packed"))["layout"] == "packed"
+    assert "layout" not in run_identity(DistillConfig())
+    assert run_identity(DistillConfig(layout="packed"))["layout"] == "packed"
 
 
 def test_bench_packed_layout_runs_on_a_pico_base(pico_dir):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opd.expert.spec import ExpertSpec
-from opd.expert.trainer import RunState, load_checkpoint, save_checkpoint
+from opd.expert.trainer import RunState, checkpointer
 from opd.io import atomic_torch_save, previous_path, torn_path
 from opd.io import load_checkpoint as read_checkpoint
 
@@ -63,29 +63,46 @@ def test_gspo_resumes_from_previous_checkpoint(tmp_path, pico_model, how):
     run = ExpertSpec(capability="count", steps=3).run_settings()
     opt = torch.optim.AdamW(pico_model.parameters())
     path = tmp_path / "state.pt"
-    for step in (10, 20):
-        save_checkpoint(path, pico_model, opt, RunState(step=step), random.Random(0), run)
-    _tear(path, how)
     warnings = []
-    state, _ = load_checkpoint(path, pico_model, random.Random(0), run, warnings.append)
-    assert state.step == 10 and len(warnings) == 1
+    ck = checkpointer(path, run, log=warnings.append)
+    for step in (10, 20):
+        ck.save(pico_model, opt, RunState(step=step).__dict__, random.Random(0))
+    _tear(path, how)
+    state, _ = ck.restore(pico_model, random.Random(0))
+    assert state["step"] == 10 and len(warnings) == 1
     _tear(previous_path(path), how)
-    assert load_checkpoint(path, pico_model, random.Random(0), run, warnings.append) is None  # fresh start
+    assert ck.restore(pico_model, random.Random(0)) is None  # fresh start
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])
-def test_opd_starts_fresh_on_a_torn_checkpoint(tmp_path, how, capsys):
+def test_opd_resumes_from_previous_checkpoint_then_starts_fresh(tmp_path, pico_model, how):
+    """OPD checkpoints as GSPO does (opd.rl.checkpoint): a torn file is set aside with one warning and
+    the previous version resumes; both torn, a fresh start."""
     from opd.distill.config import DistillConfig
-    from opd.distill.loop import _identity, resume_checkpoint
+    from opd.distill.loop import DistillState, checkpointer
 
-    cfg = DistillConfig()
     path = tmp_path / "state.pt"
-    atomic_torch_save({"config": _identity(cfg), "state": {"step": 3}}, path)
-    assert resume_checkpoint(path, cfg)["state"]["step"] == 3
+    warnings = []
+    ck = checkpointer(path, DistillConfig(), log=warnings.append)
+    opt = torch.optim.AdamW(pico_model.parameters())
+    for step in (3, 6):
+        ck.save(pico_model, opt, DistillState(step=step).__dict__, random.Random(0))
+    assert ck.latest()["state"]["step"] == 6
     _tear(path, how)
-    assert resume_checkpoint(path, cfg) is None
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 1 and "unreadable" in err[0] and "starting fresh" in err[0]
+    assert ck.latest()["state"]["step"] == 3
+    assert len(warnings) == 1 and "unreadable" in warnings[0] and "trying the previous one" in warnings[0]
+    assert torn_path(path).exists()
+    _tear(previous_path(path), how)
+    assert ck.latest() is None and "starting fresh" in warnings[-1]
+
+
+def test_a_checkpoint_of_classes_this_run_does_not_load_is_passed_over_and_kept(tmp_path):
+    """A DeepSpeed run's checkpoint read by a plain run: whole, so not set aside as torn."""
+    path = tmp_path / "state.pt"
+    atomic_torch_save({"step": 1, "odd": random.Random(0)}, path)
+    warnings = []
+    assert read_checkpoint(path, warnings.append) is None
+    assert path.exists() and not torn_path(path).exists() and "passed over" in warnings[0]
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])

@@ -105,7 +105,7 @@ def test_report_to_none_writes_nothing(tmp_path):
 
 def test_report_to_does_not_change_an_experts_identity():
     from opd.distill.config import DistillConfig
-    from opd.distill.loop import _identity
+    from opd.distill.loop import run_identity
     from opd.expert.spec import ExpertSpec, same_spec
 
     spec = ExpertSpec(capability="count")
@@ -113,7 +113,7 @@ def test_report_to_does_not_change_an_experts_identity():
     recorded = spec.model_dump(mode="json")
     del recorded["report_to"]  # a manifest written before the field existed
     assert same_spec(recorded, spec)
-    assert _identity(DistillConfig()) == _identity(DistillConfig(report_to="none"))
+    assert run_identity(DistillConfig()) == run_identity(DistillConfig(report_to="none"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")

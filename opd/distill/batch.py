@@ -14,6 +14,7 @@ from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens
+from opd.rl.estimators import TeacherOutputs
 from opd.rl.packing import Layout, TokenRows, hidden_at, lay_out, padded_rows
 from opd.rollout import SamplingParams
 
@@ -146,3 +147,14 @@ def teacher_hidden(batch: OpdBatch, teachers: dict[str, Teacher]) -> list[torch.
             h[tok_index[rows][real[rows]]] = hk[real[rows]].float()
         out.append(h)
     return out
+
+
+def teacher_outputs(batch: OpdBatch, teachers: dict[str, Teacher], logits: bool) -> TeacherOutputs:
+    """What the batch's teachers gave, as the estimators (opd.rl.estimators) read it. `logits`: the
+    estimator reads the teachers' full distributions; without the stacked forward's target, each
+    teacher's hidden states are computed here (once per batch) with its LM head."""
+    hidden = heads = None
+    if logits and batch.target is None:
+        hidden = teacher_hidden(batch, teachers)  # K x (N, H)
+        heads = [lm_head_weight(teachers[n].model) for n in batch.names]
+    return TeacherOutputs(batch.names, batch.weights, batch.teacher_lp, batch.target, batch.log_z, hidden, heads)

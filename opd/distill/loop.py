@@ -9,9 +9,6 @@ Under DeepSpeed (`wrap`, see opd.rl.distributed) every rank runs this loop on it
 
 from __future__ import annotations
 
-import copy
-import os
-import pickle
 import random
 import time
 from collections.abc import Callable
@@ -19,41 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from opd_kernels import reverse_kl, selective_log_softmax
-from torch.utils.checkpoint import checkpoint
+from opd_kernels import selective_log_softmax
 
-from opd.distill.ahead import start_ahead
-from opd.distill.batch import OpdBatch, build_batch, sample_batch, teacher_hidden
+from opd.distill.batch import OpdBatch, teacher_outputs
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
-from opd.distill.precision import resolve_inference_dtype
 from opd.distill.routing import Routes, prompt_mix, require_routed
-from opd.distill.teacher_bank import TeacherBank
+from opd.distill.sampler import Sampler
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.errors import OpdError
-from opd.io import atomic_torch_save
-from opd.rl.distill_loss import (
-    mix_teacher_logprobs,
-    reward_mixed_advantages,
-    row_capability_weights,
-    sampled_advantages,
-    scatter_tokens,
-    sequence_mean_loss,
-    topk_reverse_kl,
-)
-from opd.rl.distributed import (
-    common_step,
-    init_distributed,
-    load_optimizer_state,
-    optimizer_step,
-    rank0_value,
-    rank_path,
-    ranks_sum,
-    zero_checkpoint_globals,
-)
-from opd.rl.gspo_loss import group_advantages, gspo_loss, k3_kl, masked_mean
+from opd.rl.checkpoint import PLAIN, Checkpointer, Ranks
+from opd.rl.distill_loss import row_capability_weights, scatter_tokens
+from opd.rl.distributed import load_optimizer_state, optimizer_step, rank0_value, ranks_sum
+from opd.rl.estimators import Estimator, EstimatorSettings, Minibatch, get_estimator
+from opd.rl.gspo_loss import group_advantages
 from opd.rl.packing import TokenRows, hidden_at
-from opd.rollout import get_engine
 from opd.schedule import lr_at
 from opd.tracking import Tracker
 
@@ -100,6 +77,12 @@ def minibatches(batch: OpdBatch, n: int, generator: torch.Generator | None = Non
     return tuple((g[:, None] * G + torch.arange(G, device=g.device)).reshape(-1) for g in groups)
 
 
+def estimator_of(cfg: DistillConfig) -> Estimator:
+    """The config's reverse-KL estimator (opd.rl.estimators), configured by its settings."""
+    return get_estimator(cfg.estimator, EstimatorSettings(cfg.kl_weight, cfg.reward_weight, cfg.eps_low,
+                                                          cfg.eps_high, cfg.kernel_chunk, cfg.topk))
+
+
 def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher], backward=None,
              generator: torch.Generator | None = None) -> dict:
     """Minibatch updates on one batch; returns loss, clip and per-teacher KL statistics.
@@ -108,20 +91,14 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
     norm` (which also clips and steps). generator: the minibatch split's random source (default torch's
     global one; `sample_ahead` gives each step its own, as another thread may sample meanwhile).
     """
+    est = estimator_of(cfg)
+    outputs = teacher_outputs(batch, teachers, logits=est.reads_logits)
     cmask, real = batch.cmask, batch.cmask.bool()
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
     tok_index[real] = torch.arange(int(real.sum()), device=real.device)
     # only a reward term reads rewards (under verifier: none the batch has none and reward_weight is 0)
     reward_adv = group_advantages(batch.rewards).reshape(-1) if cfg.reward_weight > 0 else None  # (B,)
     row_w = row_capability_weights(batch.row_caps, cfg.capability_weights).to(cmask.device)  # (B,)
-    if cfg.estimator == "sampled":
-        adv = cfg.kl_weight * sampled_advantages(batch.old_lp, mix_teacher_logprobs(batch.teacher_lp, batch.weights),
-                                                 cmask)
-        if cfg.reward_weight > 0:
-            adv = reward_mixed_advantages(adv, reward_adv, cfg.reward_weight, cmask)
-        adv = adv * row_w[:, None]  # weights > 0 pass through GSPO's min and clip: the per-token loss x w
-    elif batch.target is None:  # no stacked teachers: per-teacher hidden states, chunked kernel
-        t_hidden = teacher_hidden(batch, teachers)  # K x (N, H)
     stats: dict[str, list[float]] = {}
     # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
     for rows in minibatches(batch, cfg.updates_per_batch, generator):
@@ -130,99 +107,13 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (n, H)
         W = lm_head_weight(policy.lm)  # (V, H)
         new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
-        if cfg.estimator == "sampled":
-            loss, st = gspo_loss(new_lp, batch.old_lp[rows], adv[rows], m, cfg.eps_low, cfg.eps_high, level="token")
-            st.pop("kl")  # GSPO's reference-KL penalty is off here; the teacher KLs are logged as kl/<name>
-        else:
-            if cfg.estimator == "topk":
-                kl, st = _topk_kl(h, W, batch, rows, tok_index[rows][r], t_hidden if batch.target is None else None,
-                                  teachers, cfg.topk, cfg.kernel_chunk)
-            elif batch.target is not None:
-                kl, st = _dense_kl(h, W, batch, rows, tok_index[rows][r], cfg.kernel_chunk)
-            else:
-                kl, st = _full_kl(h, W, batch, rows, tok_index[rows][r], t_hidden, teachers, cfg.kernel_chunk)
-            loss = cfg.kl_weight * sequence_mean_loss(scatter_tokens(kl, m) * row_w[rows][:, None], m)
-        if cfg.estimator != "sampled" and cfg.reward_weight > 0:
-            pg, _ = gspo_loss(new_lp, batch.old_lp[rows], reward_adv[rows] * row_w[rows], m, cfg.eps_low,
-                              cfg.eps_high)
-            loss = loss + cfg.reward_weight * pg
+        mb = Minibatch(rows, m, h, W, new_lp, None if batch.old_lp is None else batch.old_lp[rows], tok_index[rows][r],
+                       row_w[rows], None if reward_adv is None else reward_adv[rows])
+        loss, st = est.loss(mb, outputs)
         gn = optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
             stats.setdefault(k, []).append(v)
-    out = {k: sum(v) / len(v) for k, v in stats.items()}
-    if cfg.estimator == "sampled":
-        # k3 (unbiased and never negative, unlike the plain log ratio) for readable per-teacher curves
-        for k, name in enumerate(batch.names):
-            served = (batch.weights[k] > 0)[:, None] & real  # (B, T)
-            if served.any():
-                out[f"kl/{name}"] = float(masked_mean(k3_kl(batch.old_lp, batch.teacher_lp[k]), served.float()))
-    return out
-
-
-def _dense_kl(h, W, batch: OpdBatch, rows, tok, chunk: int):
-    """sum_k w_k KL(pi_s || pi_k) per real token of `rows` (n,) from the batch's precomputed mixed
-    targets (one kernel call for all teachers), and each teacher's mean KL over the tokens it serves."""
-    kl = reverse_kl(h, W, teacher_logits=batch.target[tok], chunk_size=chunk) - batch.log_z[tok]  # (n,)
-    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
-    return kl, _teacher_means(kl, batch, row_of_tok)
-
-
-def _teacher_means(kl, batch: OpdBatch, row_of_tok) -> dict[str, float]:
-    """Each teacher's mean of the per-token `kl` over the tokens it serves (the logged kl/<name>)."""
-    st = {}
-    for k, name in enumerate(batch.names):
-        served = batch.weights[k, row_of_tok] > 0
-        if served.any():
-            st[f"kl/{name}"] = float(kl.detach()[served].mean())
-    return st
-
-
-def _full_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, chunk: int):
-    """Exact sum_k w_k KL(pi_s || pi_k) per real token of `rows` (n,), and each teacher's mean KL."""
-    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
-    kl = torch.zeros(h.shape[0], device=h.device)
-    st = {}
-    for k, name in enumerate(batch.names):
-        w = batch.weights[k, row_of_tok]  # (n,)
-        sel = (w > 0).nonzero().squeeze(1)
-        if not len(sel):
-            continue
-        kl_k = reverse_kl(h[sel], W, t_hidden[k][tok[sel]], lm_head_weight(teachers[name].model).detach(),
-                          chunk_size=chunk)  # (n_k,)
-        kl = kl.index_add(0, sel, w[sel] * kl_k)
-        st[f"kl/{name}"] = float(kl_k.detach().mean())
-    return kl, st
-
-
-def _topk_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, k: int, chunk: int):
-    """Top-k reverse KL (`topk_reverse_kl`) per real token of `rows` (n,) against the normalised
-    geometric mixture of each token's teachers, and each teacher's mean over the tokens it serves.
-
-    The mixture is the stacked path's precomputed target (`t_hidden` None) or is built here per
-    chunk from each teacher's hidden states; as in `_dense_kl`, its normaliser log_z is subtracted,
-    so with k >= V this is exactly sum_k w_k KL(pi_s || pi_k). Each chunk's (c, V) student logits are
-    recomputed in backward (checkpointed), so memory stays at one chunk's, as in the full kernels."""
-    row_of_tok = rows[:, None].expand(-1, batch.cmask.shape[1])[batch.cmask[rows].bool()]  # (n,)
-    parts = []
-    for s in range(0, h.shape[0], chunk):
-        e = min(s + chunk, h.shape[0])
-        with torch.no_grad():
-            if t_hidden is None:
-                target, log_z = batch.target[tok[s:e]], batch.log_z[tok[s:e]]  # (c, V), (c,)
-            else:
-                mixed = 0
-                for j, name in enumerate(batch.names):
-                    w = batch.weights[j, row_of_tok[s:e]]  # (c,)
-                    if (w > 0).any():
-                        zt = t_hidden[j][tok[s:e]] @ lm_head_weight(teachers[name].model).float().T  # (c, V)
-                        mixed = mixed + w[:, None] * torch.log_softmax(zt, -1)
-                log_z = torch.logsumexp(mixed, -1)
-                target = mixed - log_z[:, None]
-        kl = checkpoint(lambda hc, w_, t: topk_reverse_kl(hc.float() @ w_.float().T, t, k), h[s:e], W, target,
-                        use_reentrant=False)
-        parts.append(kl - log_z)
-    kl = torch.cat(parts)  # (n,)
-    return kl, _teacher_means(kl, batch, row_of_tok)
+    return {**{k: sum(v) / len(v) for k, v in stats.items()}, **est.batch_stats(batch.old_lp, cmask, outputs)}
 
 
 # Fields that do not change the trajectory up to a given step: a run may resume under new values
@@ -230,43 +121,6 @@ def _topk_kl(h, W, batch: OpdBatch, rows, tok, t_hidden, teachers, k: int, chunk
 # sample_worker: a thread and a process sample the same batches from the same weights and prompt RNG.
 RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to", "sample_worker",
                     "teachers_on", "teacher_actors"}  # where teachers score: the same targets to float rounding
-
-
-def _warm_start(cfg: DistillConfig, policy, opt, backward, teachers, routes, mix, rng, state: DistillState,
-                pad_id: int, save, log, t0: float, rank: int, progress=None) -> None:
-    """Off-policy distillation before OPD: supervised steps on verified teacher samples, or on all of
-    them under verifier: none (see opd.distill.offpolicy), checkpointed every `checkpoint_every * 5`
-    steps through `save()`; `progress(state, None)` after each step."""
-    if state.warm_samples is None:
-        verify = cfg.verifier != "none"
-        state.warm_samples = verified_samples(teachers, routes, rng, prompts=cfg.warmstart_prompts,
-                                              group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
-                                              seed=cfg.seed + rank, verify=verify)
-        log(f"warm start: {'verified' if verify else 'unfiltered'} teacher samples "
-            + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
-        if not any(state.warm_samples.values()):
-            raise OpdError(f"warm start: {'the verifier accepted none' if verify else 'no non-empty one'} of the "
-                           f"teachers' {cfg.warmstart_group} samples "
-                           f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
-                           "warmstart_group, or set warmstart_steps: 0")
-    policy.train()
-    while state.warm_step < cfg.warmstart_steps:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
-        batch = sample_sft_batch(state.warm_samples, mix, rng, cfg.warmstart_batch)
-        loss, n_tok = sft_loss(policy, batch, pad_id, cfg.kernel_chunk, cfg.layout)
-        optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
-        state.warm_step += 1
-        state.warm_tokens += n_tok
-        state.elapsed = time.time() - t0
-        if progress:
-            progress(state, None)
-        if state.warm_step % 50 == 0 or state.warm_step == cfg.warmstart_steps:
-            log(f"warm start step {state.warm_step}/{cfg.warmstart_steps}: loss {float(loss.detach()):.4f}")
-        if state.warm_step % (cfg.checkpoint_every * 5) == 0:
-            save()
-
-
 # Fields added after runs had checkpoints: left unset they stay out of the identity, so those resume.
 UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_every")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
@@ -274,81 +128,23 @@ UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_
 DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability"}
 
 
-def _identity(cfg: DistillConfig) -> dict:
+def run_identity(cfg: DistillConfig) -> dict:
+    """What a checkpoint must match for a rerun under `cfg` to continue it."""
     exclude = RESUMABLE_FIELDS - ({"steps"} if cfg.lr_schedule != "constant" else set())
     exclude |= {f for f in UNSET_LATER_FIELDS if getattr(cfg, f) is None}
     exclude |= {f for f, v in DEFAULTED_LATER_FIELDS.items() if getattr(cfg, f) == v}
     return cfg.model_dump(mode="json", exclude=exclude)
 
 
-def _sampler_copy(student, dtype: torch.dtype):
-    """A copy of the student whose parameters are in `dtype`; its buffers (RoPE's frequencies) keep their
-    own dtype, so positions are not rounded."""
-    # eval for good: it only samples and scores, so the engine never has to switch its mode (a walk over
-    # every module per call, with transformers' kernel checks)
-    sampler = copy.deepcopy(student).eval()
-    for p in sampler.parameters():
-        p.data = p.data.to(dtype)
-    return sampler
+def checkpointer(path: Path | None, cfg: DistillConfig, ranks: Ranks = Ranks(), log=print) -> Checkpointer:
+    """The run's checkpoint (opd.rl.checkpoint): its identity under "config"; one written before ranks
+    were recorded was a plain run's."""
+    return Checkpointer(path, ranks, run_identity(cfg), "config", legacy_ranks=PLAIN, log=log)
 
 
 def step_lr(cfg: DistillConfig, step: int) -> float:
     """The learning rate of step `step` (0-based) under the config's schedule."""
     return cfg.lr if cfg.lr_schedule == "constant" else lr_at(step, cfg.steps - 1, cfg.lr, 0, cfg.lr_min_ratio)
-
-
-PLAIN = {"deepspeed": False, "world_size": 1}
-
-
-def save_checkpoint(path: Path, student, opt, state: DistillState, rng: random.Random, cfg: DistillConfig,
-                    ranks: dict = PLAIN) -> None:
-    """`ranks` ({deepspeed, world_size}) is part of the identity: a ZeRO optimizer's state is this
-    rank's partition. With several ranks the previous checkpoint stays (`.prev`): ranks killed
-    between their saves are then still one common step apart."""
-    if ranks["world_size"] > 1 and path.exists():
-        os.replace(path, _prev(path))
-    atomic_torch_save({"config": _identity(cfg), "ranks": ranks, "model": student.state_dict(),
-                       "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
-                       "torch_rng": torch.get_rng_state()}, path)
-
-
-def _prev(path: Path) -> Path:
-    return path.with_name(f"{path.stem}.prev{path.suffix}")
-
-
-def resume_checkpoint(path: Path, cfg: DistillConfig, ranks: dict = PLAIN) -> dict | None:
-    """This rank's checkpoint to resume from (of this config, up to RESUMABLE_FIELDS), or None.
-    With several ranks: the latest step that every rank holds (collective: every rank calls it)."""
-    import sys
-
-    found = {}
-    for p in (path, _prev(path)):  # one rank keeps no .prev; several fall back to it
-        if p.exists():
-            try:
-                with torch.serialization.safe_globals(zero_checkpoint_globals() if ranks["deepspeed"] else []):
-                    ck = torch.load(p, weights_only=True)
-            except pickle.UnpicklingError:  # a DeepSpeed run's checkpoint, read by a plain run
-                continue
-            except Exception as e:  # torn or empty (EOFError, RuntimeError): the .prev one, else a fresh start
-                print(f"warning: checkpoint {p} is unreadable ({type(e).__name__}); "
-                      f"{'trying the previous one' if p == path and _prev(path).exists() else 'starting fresh'}",
-                      file=sys.stderr)
-                continue
-            if ck["config"] == _identity(cfg) and ck.get("ranks", PLAIN) == ranks:
-                found[ck["state"]["step"]] = ck
-    if ranks["world_size"] == 1:
-        return found.get(max(found, default=None))
-    step = common_step(list(found))
-    return found[step] if step is not None else None
-
-
-def restore_checkpoint(ck: dict, student, rng: random.Random) -> tuple[DistillState, dict]:
-    """Model and RNG states back in place; returns the state and the optimizer state, which goes into
-    the final optimizer (a ZeRO optimizer exists only after `wrap`)."""
-    student.load_state_dict(ck["model"])
-    rng.setstate(ck["rng"])
-    torch.set_rng_state(ck["torch_rng"])
-    return DistillState(**ck["state"]), ck["optim"]
 
 
 def retention_record(scores: dict[str, float], references: dict[str, float]) -> dict:
@@ -374,6 +170,113 @@ def _shared(value, world: int):
     return value if world == 1 else rank0_value(value)
 
 
+@dataclass
+class _Run:
+    """What the phases of one distillation share: the student and its update, the run's state, where it
+    checkpoints, and the retention check that keeps the best student."""
+
+    cfg: DistillConfig
+    student: torch.nn.Module
+    policy: torch.nn.Module  # the student's `StudentHidden`, or the DeepSpeed engine wrapping it
+    opt: object
+    backward: Callable | None  # the DeepSpeed engine's backward-and-step, or None (torch's)
+    rng: random.Random  # the prompt RNG
+    state: DistillState
+    ckpt: Checkpointer
+    ranks: Ranks
+    sampler: Sampler
+    evaluate_fn: Callable[[object], dict[str, float]] | None
+    references: dict[str, float]
+    log: Callable
+    progress: Callable | None
+    tracker: Tracker
+    t0: float
+
+    def save(self) -> None:
+        self.ckpt.save(self.student, self.opt, self.state.__dict__, self.rng)
+
+    def check(self, rec: dict) -> None:
+        """A retention check on val (rank 0 scores; every rank takes its scores) into `rec`; keeps the best student."""
+        self.sampler.settle()  # sampling ahead in this process and lm-eval would share torch's global RNG
+        scores = _shared(self.evaluate_fn(self.student) if self.ranks.rank == 0 else None, self.ranks.world)
+        rec.update(retention_record(scores, self.references))
+        self.student.train()
+        if rec.get("min_retention", -1.0) > self.state.best_min_retention:
+            self.state.best_min_retention, self.state.best_step = rec["min_retention"], self.state.step
+            self.state.best_model = {k: v.detach().clone() for k, v in self.student.state_dict().items()}
+
+    def end_step(self, rec: dict) -> None:
+        """The step's record into the history, the tracker, the log and the bars; a checkpoint when due."""
+        state, cfg = self.state, self.cfg
+        last = state.step == cfg.steps
+        if self.evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
+            self.check(rec)
+        state.elapsed = time.time() - self.t0
+        state.history.append(rec)
+        self.tracker.log(rec, state.step)
+        kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))
+        self.log(f"opd step {state.step}/{cfg.steps}: loss {rec['loss']:.4f} KL {kls}"
+                 + (f" min retention {rec['min_retention']:.3f}" if "min_retention" in rec else ""))
+        if self.progress:
+            self.progress(state, rec)
+        if last or state.step % cfg.checkpoint_every == 0:
+            self.save()
+
+
+def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: dict[str, float], pad_id: int) -> None:
+    """Off-policy distillation before OPD: supervised steps on verified teacher samples, or on all of
+    them under verifier: none (see opd.distill.offpolicy), checkpointed every `checkpoint_every * 5`
+    steps; `progress(state, None)` after each step. Ends with a retention check (with `evaluate_fn`)
+    recorded as step 0, fresh Adam moments for OPD, and a checkpoint."""
+    cfg, state, opt = run.cfg, run.state, run.opt
+    if state.warm_samples is None:
+        verify = cfg.verifier != "none"
+        state.warm_samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,
+                                              group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
+                                              seed=cfg.seed + run.ranks.rank, verify=verify)
+        run.log(f"warm start: {'verified' if verify else 'unfiltered'} teacher samples "
+                + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
+        if not any(state.warm_samples.values()):
+            raise OpdError(f"warm start: {'the verifier accepted none' if verify else 'no non-empty one'} of the "
+                           f"teachers' {cfg.warmstart_group} samples "
+                           f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
+                           "warmstart_group, or set warmstart_steps: 0")
+    run.policy.train()
+    while state.warm_step < cfg.warmstart_steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
+        batch = sample_sft_batch(state.warm_samples, mix, run.rng, cfg.warmstart_batch)
+        loss, n_tok = sft_loss(run.policy, batch, pad_id, cfg.kernel_chunk, cfg.layout)
+        optimizer_step(loss, opt, run.policy.parameters(), cfg.grad_clip, run.backward)
+        state.warm_step += 1
+        state.warm_tokens += n_tok
+        state.elapsed = time.time() - run.t0
+        if run.progress:
+            run.progress(state, None)
+        if state.warm_step % 50 == 0 or state.warm_step == cfg.warmstart_steps:
+            run.log(f"warm start step {state.warm_step}/{cfg.warmstart_steps}: loss {float(loss.detach()):.4f}")
+        if state.warm_step % (cfg.checkpoint_every * 5) == 0:
+            run.save()
+    rec = {"step": 0, "phase": "warmstart", "warm_tokens": state.warm_tokens, "gen_tokens": 0}
+    if run.evaluate_fn is not None:
+        run.check(rec)
+        run.log(f"warm start done: min retention {rec['min_retention']:.3f}")
+    state.history.append(rec)
+    run.tracker.log(rec, 0)
+    if run.backward is None:
+        opt.state.clear()  # OPD starts with fresh Adam moments (the SFT gradients' scale differs)
+    run.save()
+
+
+def _batch_record(batch: OpdBatch) -> dict:
+    """The batch's mean verifier reward per capability (none under verifier: none)."""
+    rec = {}
+    for cap in dict.fromkeys(batch.row_caps) if batch.rewards is not None else ():
+        rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
+        rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
+    return rec
+
+
 def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher], routes: Routes,
             ckpt_path: Path | None = None, *, evaluate_fn: Callable[[object], dict[str, float]] | None = None,
             references: dict[str, float] | None = None, teacher_weights: dict[str, float] | None = None,
@@ -391,159 +294,52 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     tracker (opd.tracking): gets every history record, each teacher's KL as kl/<teacher>.
     progress(state, rec): after each OPD step; rec None after a warm-start step and on resume.
     """
-    tracker = tracker or Tracker()
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
     require_routed("capability_weights", cfg.capability_weights or {}, routes)
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    rank, world = init_distributed() if wrap is not None else (0, 1)
-    ranks = {"deepspeed": wrap is not None, "world_size": world}
-    rng = random.Random(f"opd|{cfg.seed}" + (f"|{rank}" if rank else ""))
-    torch.manual_seed(cfg.seed + rank)
-    ckpt_path = rank_path(ckpt_path, rank) if ckpt_path else None
-    ck = resume_checkpoint(ckpt_path, cfg, ranks) if ckpt_path else None
-    state, optim_state = restore_checkpoint(ck, student, rng) if ck else (DistillState(), None)
-    if ck:
+    ranks = Ranks.join(deepspeed=wrap is not None)
+    rng = random.Random(f"opd|{cfg.seed}" + (f"|{ranks.rank}" if ranks.rank else ""))
+    torch.manual_seed(cfg.seed + ranks.rank)
+    ckpt = checkpointer(ckpt_path, cfg, ranks, log)
+    restored = ckpt.restore(student, rng)
+    state = DistillState(**restored[0]) if restored else DistillState()
+    if restored:
         log(f"resuming distillation at step {state.step}")
         if progress:
             progress(state, None)  # a resumed run's bars start where it had got to
     policy, backward = StudentHidden(student), None
     if wrap is not None:
         policy, opt, backward = wrap(policy, opt)
-    if optim_state is not None:
-        load_optimizer_state(opt, optim_state)
-    # sample_ahead samples from a copy of the student that a worker reads while the update runs;
-    # inference_dtype samples from a copy in that dtype (synced before each batch)
-    own = next(student.parameters()).dtype
-    dtype = resolve_inference_dtype(cfg.inference_dtype, student)
-    if cfg.inference_dtype == "auto":
-        log(f"inference_dtype auto: sampling and teacher scoring in {str(dtype).removeprefix('torch.')} on this machine")
-    cast = dtype != own
-    sampler = _sampler_copy(student, dtype) if cfg.sample_ahead or cast else student
-    engine = get_engine("embedded", model=sampler, tokenizer=tokenizer, compact_every=cfg.compact_every,
-                        prefill=cfg.layout)
-    t0 = time.time() - state.elapsed
-    routed = sorted({t for ts in routes.values() for t in ts})
-    bank = None
-    if cfg.teachers_on != "local":  # the same bank and engines, served by actors (opd.distill.remote)
-        from opd.distill.remote import remote_teachers
-
-        teachers, bank = remote_teachers(cfg, teachers, routed, tokenizer, dtype if cast else None)
-    elif cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
-        bank = TeacherBank(teachers, routed, dtype if cast else None)
-
-    ahead = worker = None  # sample_ahead's batch in flight, and where it is sampled
-
-    def check(rec: dict) -> None:  # a retention check on val; keeps the best student
-        if ahead is not None and cfg.sample_worker == "thread":
-            ahead.result()  # sampling ahead in this process and lm-eval would share torch's global RNG
-        scores = _shared(evaluate_fn(student) if rank == 0 else None, world)
-        rec.update(retention_record(scores, references or {}))
-        student.train()
-        if rec.get("min_retention", -1.0) > state.best_min_retention:
-            state.best_min_retention, state.best_step = rec["min_retention"], state.step
-            state.best_model = {k: v.detach().clone() for k, v in student.state_dict().items()}
-
+    if restored:
+        load_optimizer_state(opt, restored[1])
+    sampler = Sampler(cfg, student, tokenizer, teachers, routes, ranks.rank, log)
+    teachers = sampler.teachers  # where the teachers score: in process, or their Ray actors
+    run = _Run(cfg, student, policy, opt, backward, rng, state, ckpt, ranks, sampler, evaluate_fn, references or {},
+               log, progress, tracker or Tracker(), time.time() - state.elapsed)
     if state.warm_step < cfg.warmstart_steps:
-        _warm_start(cfg, policy, opt, backward, teachers, routes, mix, rng, state, tokenizer.pad_token_id,
-                    lambda: save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks) if ckpt_path else None,
-                    log, t0, rank, progress)
-        rec = {"step": 0, "phase": "warmstart", "warm_tokens": state.warm_tokens, "gen_tokens": 0}
-        if evaluate_fn is not None:
-            check(rec)
-            log(f"warm start done: min retention {rec['min_retention']:.3f}")
-        state.history.append(rec)
-        tracker.log(rec, 0)
-        if backward is None:
-            opt.state.clear()  # OPD starts with fresh Adam moments (the SFT gradients' scale differs)
-        if ckpt_path:
-            save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
-
-    def produce(step: int, step_mix: dict[str, float], prompt_rng: random.Random) -> tuple[OpdBatch, float, float]:
-        """The rollout batch of `step`: the sampler samples, the teachers score. Returns it and both phases' seconds."""
-        t_sample = time.perf_counter()
-        items, groups = sample_batch(engine, routes, step_mix, prompt_rng, prompts=cfg.prompts_per_step,
-                                     group=cfg.group_size, temperature=cfg.temperature,
-                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 100_003 + step + rank * 1_000_003)
-        t_score = time.perf_counter()
-        batch = build_batch(sampler, items, groups, teachers, routes, tokenizer.pad_token_id, cfg.kernel_chunk, bank,
-                            old_lp=cfg.estimator == "sampled" or cfg.reward_weight > 0, layout=cfg.layout,
-                            rewards=cfg.verifier != "none")
-        return batch, t_score - t_sample, time.perf_counter() - t_score
-
-    def produce_ahead(step: int, step_mix: dict[str, float], rng_state) -> tuple[OpdBatch, object]:
-        """`produce` from the prompt RNG state given; returns the batch and the RNG state after it."""
-        prompt_rng = random.Random()
-        prompt_rng.setstate(rng_state)
-        return produce(step, step_mix, prompt_rng)[0], prompt_rng.getstate()
-
-    # sample_ahead: a worker (opd.distill.ahead: a thread, or a forked process) samples and scores step
-    # k+1's batch on a copy of the student (synced when step k's batch is taken, so one update behind)
-    # while step k's update runs; on a CPU the two use both cores. The prompt mix and the prompt RNG's
-    # state go with each call, and the RNG moves on only when its batch is taken, so a checkpoint saves
-    # the RNG as it was before the batch in flight and a resumed run draws the same prompts (its first
-    # batch then samples the checkpoint's student, not the one before). The update draws its minibatches
-    # from a per-step generator; in a thread, a retention check waits for the batch in flight, as both
-    # would otherwise share torch's global RNG with the sampling.
-    try:
-        if cfg.sample_ahead:  # a process samples what load_state_dict writes into the shared sampler
-            worker = start_ahead(cfg.sample_worker, produce_ahead, torch.get_num_threads(), shared=sampler)
+        _warm_start(run, teachers, routes, mix, tokenizer.pad_token_id)
+    with sampler:
         while state.step < cfg.steps:
-            generator = None
-            if worker is None:
-                if sampler is not student:
-                    sampler.load_state_dict(student.state_dict())  # casts to the sampler's dtype
-                batch, s_sample, s_score = produce(state.step, adapted_mix(mix, state.history, cfg.adaptive_mix),
-                                                   rng)
-                t_update = time.perf_counter()
-            else:
-                t_wait = time.perf_counter()
-                if ahead is None:
-                    ahead = worker.submit(state.step, adapted_mix(mix, state.history, cfg.adaptive_mix),
-                                          rng.getstate())
-                batch, rng_state = ahead.result()
-                rng.setstate(rng_state)
-                sampler.load_state_dict(student.state_dict())  # the next batch samples the student as it is now
-                ahead = None
-                if state.step + 1 < cfg.steps:
-                    ahead = worker.submit(state.step + 1, adapted_mix(mix, state.history, cfg.adaptive_mix),
-                                          rng.getstate())
-                t_update = time.perf_counter()
-                s_sample, s_score = t_update - t_wait, 0.0  # the wait for the batch; its own seconds overlapped
-                generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.step * 7_919 + rank)
+            drawn = sampler.next(state.step, adapted_mix(mix, state.history, cfg.adaptive_mix), rng)
+            t_update = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = step_lr(cfg, state.step)
             rec = {"step": state.step + 1, "lr": opt.param_groups[0]["lr"],
-                   **opd_step(policy, opt, batch, cfg, teachers, backward, generator)}
+                   **opd_step(policy, opt, drawn.batch, cfg, teachers, backward, drawn.generator)}
             # where a step's seconds go: student sampling, teacher (and old-policy) scoring, the update
-            rec.update({"time/sample": s_sample, "time/score": s_score, "time/update": time.perf_counter() - t_update})
-            for cap in dict.fromkeys(batch.row_caps) if batch.rewards is not None else ():
-                rows = [b for b, c in enumerate(batch.row_caps) if c == cap]
-                rec[f"reward/{cap}"] = float(batch.rewards.reshape(-1)[rows].mean())
+            rec.update({"time/sample": drawn.sample_s, "time/score": drawn.score_s,
+                        "time/update": time.perf_counter() - t_update}, **_batch_record(drawn.batch))
             state.step += 1
-            state.gen_tokens += batch.gen_tokens if world == 1 else ranks_sum(batch.gen_tokens)
+            gen = drawn.batch.gen_tokens
+            state.gen_tokens += gen if ranks.world == 1 else ranks_sum(gen)  # student tokens over all ranks
             rec["gen_tokens"] = state.gen_tokens
             if state.warm_tokens:
                 rec["warm_tokens"] = state.warm_tokens  # teacher-sample tokens of the off-policy warm start
-            last = state.step == cfg.steps
-            if evaluate_fn is not None and (last or (cfg.eval_every and state.step % cfg.eval_every == 0)):
-                check(rec)
-            state.elapsed = time.time() - t0
-            state.history.append(rec)
-            tracker.log(rec, state.step)
-            kls = " ".join(f"{k[3:]}={v:.3f}" for k, v in rec.items() if k.startswith("kl/"))
-            log(f"opd step {state.step}/{cfg.steps}: loss {rec['loss']:.4f} KL {kls}"
-                + (f" min retention {rec['min_retention']:.3f}" if "min_retention" in rec else ""))
-            if progress:
-                progress(state, rec)
-            if ckpt_path and (last or state.step % cfg.checkpoint_every == 0):
-                save_checkpoint(ckpt_path, student, opt, state, rng, cfg, ranks)
-            if stop is not None and _shared(stop(rec), world):
+            run.end_step(rec)
+            if stop is not None and _shared(stop(rec), ranks.world):
                 break
-    finally:
-        if worker is not None:
-            worker.close()
-    if world > 1:
+    if ranks.world > 1:
         import torch.distributed as dist
 
         dist.barrier()  # every rank's last checkpoint is written before rank 0 removes them

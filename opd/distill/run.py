@@ -9,10 +9,9 @@ from pathlib import Path
 import torch
 
 from opd.devices import fp32_state, place, resolve_device, resolve_dtype
-from opd.distill.bar import opd_bar
 from opd.distill.config import DistillRun
-from opd.distill.loop import DistillState, distill
 from opd.distill.routing import resolve_routes
+from opd.distill.student import train_student
 from opd.distill.teachers import Teacher, embedded_teacher
 from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
@@ -158,15 +157,11 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     # rank 0 logs the curves, as it writes the student
     tracker = open_tracker(run.distill.report_to, tracking_dir(out), run.name, run.model_dump(mode="json")) \
         if rank == 0 else Tracker()
-    with tracker, opd_bar(run.name, run.distill, enabled=rank == 0) as progress:
-        state: DistillState = distill(run.distill, student, tok, teachers, routes, ckpt,
-                                      evaluate_fn=screen if evaluate else None, references=refs, log=log, wrap=wrap,
-                                      tracker=tracker, progress=progress)
+    state = train_student(run.distill, student, tok, teachers, routes, ckpt, tracker=tracker, bar=run.name,
+                          live=rank == 0, log=log, evaluate_fn=screen if evaluate else None, references=refs,
+                          wrap=wrap)
     if rank != 0:
         return {}  # rank 0 writes the student
-    if state.best_model is not None and state.best_step != state.step:
-        log(f"keeping step {state.best_step} (min val retention {state.best_min_retention:.3f})")
-        student.load_state_dict(state.best_model)
     manifest = {
         "kind": "distilled", "name": run.name, "content_hash": state_dict_hash(fp32_state(student)),
         "run": recorded, "routes": routes, "student_init_hash": init_hash,

@@ -11,7 +11,6 @@ expert recipe (opd.expert.run) resolves a spec into both. The maths are in opd.r
 from __future__ import annotations
 
 import copy
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -23,17 +22,9 @@ from opd.capabilities import get_capability, prompt_texts
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.devices import model_device
 from opd.expert.settings import GSPOConfig, GSPORun
-from opd.io import atomic_torch_save, readable_checkpoints
 from opd.rl.batch import group_rollouts, grouped_completion_logits, token_entropy, token_logprobs
-from opd.rl.distributed import (
-    common_step,
-    init_distributed,
-    load_optimizer_state,
-    optimizer_step,
-    rank_path,
-    ranks_min,
-    zero_checkpoint_globals,
-)
+from opd.rl.checkpoint import Checkpointer, Ranks
+from opd.rl.distributed import load_optimizer_state, optimizer_step, ranks_min
 from opd.rl.gspo_loss import group_advantages, gspo_loss, truncated_is_weights
 from opd.rollout import SamplingParams, get_engine
 from opd.tracking import Tracker
@@ -140,35 +131,12 @@ def _same_size_on_all_ranks(kept: list) -> list:
     return kept[: ranks_min(len(kept))]
 
 
-def save_checkpoint(path: Path, model, opt, state: RunState, rng: random.Random, run: GSPORun) -> None:
-    # "spec": the run's job under the name checkpoints written before the loop took settings gave it
-    atomic_torch_save({"spec": run.job, "model": model.state_dict(),
-                       "optim": opt.state_dict(), "state": state.__dict__, "rng": rng.getstate(),
-                       "torch_rng": torch.get_rng_state()}, path, keep_previous=True)
-
-
-def load_checkpoint(path: Path, model, rng: random.Random, run: GSPORun, log=print, world: int = 1
-                    ) -> tuple[RunState, dict] | None:
-    """Restore model and RNGs; the optimizer state is returned, to be loaded once the optimizer
-    is final (a DeepSpeed ZeRO optimizer only exists after `wrap`). An unreadable checkpoint falls
-    back to the previous one, then to a fresh start (`opd.io.load_checkpoint`). With `world` > 1
-    ranks (collective: every rank calls it) the latest step that every rank holds, as OPD does: a
-    run killed between two ranks' saves resumes every rank from the older one. A checkpoint of
-    another job (`run.resumes`: an expert's changed spec) is passed over."""
-    # a ZeRO optimizer's state holds a few DeepSpeed classes
-    found = {c["state"]["step"]: c for c in reversed(list(readable_checkpoints(
-        path, log, zero_checkpoint_globals() if run.deepspeed else None))) if run.resumes(c.get("spec"))}
-    if world > 1:
-        step = common_step(list(found))
-        ck = found.get(step) if step is not None else None
-    else:
-        ck = next(iter(reversed(found.values())), None)  # the newest readable one
-    if ck is None:
-        return None
-    model.load_state_dict(ck["model"])
-    rng.setstate(ck["rng"])
-    torch.set_rng_state(ck["torch_rng"])
-    return RunState(**ck["state"]), ck["optim"]
+def checkpointer(path: Path, run: GSPORun, ranks: Ranks = Ranks(), log=print) -> Checkpointer:
+    """The run's checkpoint (opd.rl.checkpoint). Its identity is the run's job, under "spec" (the name
+    checkpoints written before the loop took settings gave it); a checkpoint of another job
+    (`run.resumes`: an expert's changed spec) is passed over, as is one of other ranks. One written
+    before ranks were recorded resumes under any."""
+    return Checkpointer(path, ranks, run.job, "spec", resumes=run.resumes, log=log)
 
 
 def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, evaluate_fn, log=print,
@@ -185,15 +153,14 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
     # fused: one kernel for every parameter instead of a dozen ops each (tiny models are all overhead)
     opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     ref_model = copy.deepcopy(model).eval() if g.kl_coef > 0 else None
-    # Each rank of a data-parallel run samples its own prompts and completions.
-    rank = int(os.environ.get("RANK", "0")) if wrap is not None else 0
-    rng = prompt_rng(run, rank)
-    torch.manual_seed(run.seed + rank)
-    world = int(os.environ.get("WORLD_SIZE", "1")) if wrap is not None else 1
-    if world > 1:
-        init_distributed()  # the ranks agree on a resume step before the engine exists
-    loaded = load_checkpoint(rank_path(ckpt_path, rank), model, rng, run, log, world)
-    state, optim_state = loaded if loaded else (None, None)
+    # Each rank of a data-parallel run samples its own prompts and completions; the ranks agree on a
+    # resume step before the engine exists.
+    ranks = Ranks.join(deepspeed=wrap is not None)
+    rng = prompt_rng(run, ranks.rank)
+    torch.manual_seed(run.seed + ranks.rank)
+    ckpt = checkpointer(ckpt_path, run, ranks, log)
+    restored = ckpt.restore(model, rng)
+    state, optim_state = (RunState(**restored[0]), restored[1]) if restored else (None, None)
     if state is None:
         state = RunState(temperature=g.temperature)
         state.best_score = evaluate_fn(model)
@@ -219,7 +186,7 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
     while state.step < run.steps and time.time() - t0 < run.max_minutes * 60:
         t_roll = time.time()
         kept, share, gen_tokens, failures = _rollout_batch(engine, cap, rng, g, run, state,
-                                                           seed=run.seed * 100_003 + state.step + rank * 1_000_003)
+                                                           seed=run.seed * 100_003 + state.step + ranks.rank * 1_000_003)
         t_roll = time.time() - t_roll
         # Stalled groups carry no signal: raise temperature while informative groups are scarce.
         if share < g.min_informative:
@@ -251,5 +218,5 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
         if progress:
             progress(state, rec)
         if state.step % run.checkpoint_every == 0:
-            save_checkpoint(rank_path(ckpt_path, rank), policy, opt, state, rng, run)
+            ckpt.save(policy, opt, state.__dict__, rng)
     return state

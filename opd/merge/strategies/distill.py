@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 from opd.devices import place
-from opd.distill.bar import opd_bar
 from opd.distill.config import DistillConfig
-from opd.distill.loop import distill
 from opd.distill.routing import resolve_routes
+from opd.distill.student import train_student
 from opd.distill.teachers import embedded_teacher
 from opd.errors import OpdError
 from opd.io import atomic_save_safetensors, atomic_write_json, exclusive_dir
@@ -224,17 +223,13 @@ def _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir: Path, ev
                                        inputs.manifests[e].tasks)
     routes = resolve_routes({e: t.tasks for e, t in teachers.items()}, cfg.routes, weights)
     # the study's OPD curves side by side: <out>/opd/tb/trial-<n>
-    with open_tracker(cfg.report_to, tracking_dir(trial_dir), f"{name}/{trial_dir.name}",
-                      cfg.model_dump(mode="json")) as tracker, \
-            opd_bar(f"{trial_dir.name} {cand.strategy}", cfg, enabled=live) as progress:
-        state = distill(cfg, student, inputs.tokenizer, teachers, routes, trial_dir / "state.pt",
-                        evaluate_fn=evaluate_fn, references=references, teacher_weights=weights, log=log,
-                        tracker=tracker, progress=progress)
-    if state.best_model is not None and state.best_step != state.step:
-        # the student of the best val retention check, as the standalone run keeps (val is the
-        # search's split; the test split only reports)
-        log(f"keeping step {state.best_step} (min val retention {state.best_min_retention:.3f})")
-        student.load_state_dict(state.best_model)
+    # the student of the best val retention check, as the standalone run keeps (val is the search's
+    # split; the test split only reports)
+    state = train_student(cfg, student, inputs.tokenizer, teachers, routes, trial_dir / "state.pt",
+                          tracker=open_tracker(cfg.report_to, tracking_dir(trial_dir), f"{name}/{trial_dir.name}",
+                                               cfg.model_dump(mode="json")),
+                          bar=f"{trial_dir.name} {cand.strategy}", live=live, log=log, evaluate_fn=evaluate_fn,
+                          references=references, teacher_weights=weights)
     sd = {k: v.detach().to("cpu", torch.float32).clone().contiguous()
           for k, v in merge_keys(student.state_dict()).items()}
     trial_dir.mkdir(parents=True, exist_ok=True)
