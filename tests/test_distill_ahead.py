@@ -113,3 +113,25 @@ def test_process_worker_failure_names_the_worker_and_its_error(tmp_path, tokeniz
     import multiprocessing
 
     assert not multiprocessing.active_children()
+
+
+def test_ahead_first_batch_samples_the_student_as_it_is_when_drawn(tokenizer, teachers):
+    # the warm start trains the student after the sampler's copy is made: the first batch in flight must
+    # be sampled from the student as it is when the loop asks for it, exactly as the synchronous sampler does
+    import random
+
+    import torch
+
+    routes = resolve_routes({"count": "count"})
+    cfg = DistillConfig(estimator="full", steps=3, prompts_per_step=4, group_size=2, seed=5)
+    drawn = {}
+    for ahead in (False, True):
+        student = build_model(PICO, tokenizer, seed=0)
+        with sampler.Sampler(cfg.model_copy(update={"sample_ahead": ahead}), student, tokenizer, teachers,
+                             routes) as s:
+            with torch.no_grad():  # what a warm start does: the student moves after the copy is made
+                for p in student.parameters():
+                    p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.5)
+            drawn[ahead] = s.next(0, {"count": 1.0}, random.Random(1)).batch
+    assert torch.equal(drawn[True].targets, drawn[False].targets)
+    assert torch.allclose(drawn[True].teacher_lp, drawn[False].teacher_lp)

@@ -98,7 +98,9 @@ class Sampler:
             self._worker = start_ahead(self.cfg.sample_worker, self._produce_ahead, torch.get_num_threads(),
                                        shared=self.model)
         t_wait = time.perf_counter()
-        if self._ahead is None:
+        if self._ahead is None:  # nothing in flight (first step, or resumed): sample the student as it is now,
+            # not as it was when the copy was made (before a warm start or a checkpoint's weights)
+            self.model.load_state_dict(self.student.state_dict())
             self._ahead = self._worker.submit(step, mix, rng.getstate())
         batch, rng_state = self._ahead.result()
         rng.setstate(rng_state)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from opd.expert.spec import ExpertSpec, same_spec
 from opd.expert.trainer import train
 from opd.io import state_dict_hash, sweep_stale
 from opd.paths import check_output
+from opd.rl.checkpoint import Ranks
 from opd.tracking import Tracker, open_tracker, tracking_dir
 
 console = Console(stderr=True)
@@ -58,9 +58,11 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
 
         wrap = deepspeed_wrap(spec.gspo.grad_clip, spec.deepspeed)
 
-    # rank 0 logs the curves; the other ranks of a data-parallel run sample their own batches
+    # rank 0 logs the curves; the other ranks of a data-parallel run sample their own batches. The rank
+    # comes from the one place both loops take it (joining is idempotent: train() joins again).
+    ranks = Ranks.join(deepspeed=wrap is not None)
     tracker = open_tracker(spec.report_to, tracking_dir(out), spec.expert_name, spec.model_dump(mode="json")) \
-        if int(os.environ.get("RANK", "0")) == 0 else Tracker()
+        if ranks.rank == 0 else Tracker()
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console)
     with tracker, bar:
@@ -79,7 +81,7 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
 
         state = train(spec.gspo, spec.run_settings(), model, tok, ckpt, evaluate_fn=screen, log=console.print,
                       progress=progress, wrap=wrap, tracker=tracker)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if ranks.rank != 0:
         return {}  # rank 0 scores and writes the expert
     manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print)
     shutil.rmtree(ckpt.parent, ignore_errors=True)
