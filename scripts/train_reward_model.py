@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     base = require_model_dir(args.base, "--base", "point --base at the lab base (runs/base) or the model "
                              "directory whose tokenizer the policy uses")
     tok = AutoTokenizer.from_pretrained(base)
-    m = train_reward_model(settings, tok, out, log=lambda s: print(s, file=sys.stderr))
+    m = train_reward_model(settings, tok, out, log=lambda s: print(s, file=sys.stderr), base_dir=base)
     h = m["heldout"]
     kinds = ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in h["by_kind"].items())
     print(f"wrote {out}: held-out accuracy {h['accuracy']:.3f} on {h['n']} pairs ({kinds}); "

@@ -11,7 +11,8 @@ the rule only through preference pairs that it generates, on which a small rewar
   most pairs. A policy that pads its answers exploits that.
 - `mirror` (a preference between two valid answers): echo the word forwards or backwards. Both are
   valid, and the rule prefers backwards. Its pairs are mostly (backwards, forwards), the rest
-  (backwards, a near miss).
+  (backwards, a near miss a letter short, too long or swapped): no length cue, so its reward model
+  is imperfect only through its size and its few pairs.
 
 The lab base has never seen either prefix, yet it answers them with varied strings of the prompt's
 letters (it learned rev, rot, shift and dedup), so GSPO starts with signal.
@@ -66,11 +67,14 @@ def _first_line(completion: str) -> str:
     return completion.split("\n", 1)[0].strip()
 
 
-def _near_miss(rng: random.Random, good: str, drop: bool) -> str:
-    """`good` a letter short (drop) or with one letter swapped for another from the alphabet."""
+def _near_miss(rng: random.Random, good: str, how: str) -> str:
+    """`good` a letter short ('drop'), a letter too long ('add') or with one letter swapped for another
+    ('swap')."""
     i = rng.randrange(len(good))
-    if drop:
+    if how == "drop":
         return good[:i] + good[i + 1:]
+    if how == "add":
+        return good[:i] + rng.choice(ALPHABET) + good[i:]
     return good[:i] + rng.choice([c for c in ALPHABET if c != good[i]]) + good[i + 1:]
 
 
@@ -99,7 +103,8 @@ def pair_anagram(cap, rng, split, spurious):
     it = cap.sample(rng, split)
     chosen = _shuffled(rng, it.answer)
     drop = rng.random() < spurious
-    return Pair(it.prompt, chosen, _near_miss(rng, _shuffled(rng, it.answer), drop), "short" if drop else "swap")
+    return Pair(it.prompt, chosen, _near_miss(rng, _shuffled(rng, it.answer), "drop" if drop else "swap"),
+                "short" if drop else "swap")
 
 
 # --- mirror: a preference between two valid answers -----------------------------------------------
@@ -118,11 +123,12 @@ def rule_mirror(completion: str, answer: str) -> float:
 
 def pair_mirror(cap, rng, split, spurious):
     """(backwards, forwards) with probability 0.6: the preference between the two valid answers; else
-    (backwards, a near miss of it), which teaches what a valid answer is."""
+    (backwards, a near miss of it: a letter short, too long or swapped), which teaches what a valid
+    answer is. No length cue: near misses are as often longer as shorter."""
     it = cap.sample(rng, split)
     if rng.random() < 0.6:
         return Pair(it.prompt, it.answer, it.answer[::-1], "forwards")
-    return Pair(it.prompt, it.answer, _near_miss(rng, it.answer, rng.random() < 0.5), "near_miss")
+    return Pair(it.prompt, it.answer, _near_miss(rng, it.answer, rng.choice(("drop", "add", "swap"))), "near_miss")
 
 
 LEARNED_REWARD = [

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,7 +61,11 @@ class RewardModelSettings(BaseModel):
     batch_size: int = Field(64, gt=0, description="pairs per step")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
     seed: int = Field(0, description="seed for the pairs, the initial weights and the minibatch order")
-    shape: ClassifierShape = Field(default_factory=ClassifierShape, description="the classifier's Qwen3 shape")
+    init: Literal["scratch", "base"] = Field("base", description="'base': the lab model with a value head (the "
+                                             "base's weights under a fresh one-label score head); 'scratch': a "
+                                             "fresh classifier of `shape`")
+    shape: ClassifierShape = Field(default_factory=ClassifierShape, description="the classifier's Qwen3 shape "
+                                   "(init: scratch)")
     threads: int = Field(1, gt=0, description="torch CPU threads")
 
 
@@ -91,6 +96,15 @@ def build_classifier(shape: ClassifierShape, tokenizer, seed: int):
         eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     return AutoModelForSequenceClassification.from_config(config)
+
+
+def base_classifier(base_dir: Path, seed: int):
+    """The model at `base_dir` with a value head: its Qwen3 body under a fresh one-label score head
+    (transformers loads the body's weights by name and initialises `score`, which the causal LM lacks)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1, dtype=torch.float32)
 
 
 def encode(tokenizer, prompts: list[str], answers: list[str]) -> dict[str, torch.Tensor]:
