@@ -202,18 +202,17 @@ def load_reward_model(path: str | Path, capability: str, tokenizer) -> RewardMod
     return RewardModel(Path(path), model, tokenizer, m)
 
 
-def greedy_val_reward(reward_model: RewardModel, model, tokenizer, capability: str, limit: int) -> float:
-    """The reward model's mean score of `model`'s greedy answers to the first `limit` val prompts: the
-    same answers lm-eval's val screening scores with the hidden rule, so the two curves compare."""
+def greedy_reward(reward_model: RewardModel, model, tokenizer, capability: str, prompts: list[str]) -> float:
+    """The reward model's mean score of `model`'s greedy answers to `prompts` (rendered as the capability
+    renders them, answered with lm-eval's token budget for opd's tasks): given the val prompts lm-eval
+    screens with, the same answers the hidden rule scores there, so the two curves compare."""
     from opd.capabilities import get_capability
-    from opd.evaluation.heldout import heldout_items
     from opd.rollout import SamplingParams, get_engine
 
     cap = get_capability(capability)
-    items = heldout_items(capability, "val")[:limit]
-    prompts = [cap.render(it["prompt"], tokenizer) for it in items]
+    texts = [cap.render(p, tokenizer) for p in prompts]
     engine = get_engine("embedded", model=model, tokenizer=tokenizer)
-    # lm-eval's max_gen_toks for opd's tasks (opd.evaluation.tasks.task_yaml)
-    groups = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=cap.max_new_tokens + 2))
-    got = reward_model.score(prompts, [g[0].text for g in groups])
+    # max_gen_toks of opd's lm-eval tasks (opd.evaluation.tasks.task_yaml)
+    groups = engine.generate(texts, 1, SamplingParams(temperature=0.0, max_new_tokens=cap.max_new_tokens + 2))
+    got = reward_model.score(texts, [g[0].text for g in groups])
     return sum(got) / max(1, len(got))

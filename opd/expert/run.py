@@ -31,8 +31,10 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     model, tok = load_base(base_dir)
     reward_model = None
     if spec.reward_model_dir is not None:  # refused before anything is written: missing, or another tokenizer's
-        from opd.capabilities.reward_model import greedy_val_reward, load_reward_model
+        from opd.capabilities.reward_model import greedy_reward, load_reward_model
+        from opd.evaluation.heldout import heldout_items
 
+        val_prompts = [it["prompt"] for it in heldout_items(spec.capability, "val")[: spec.eval_limit]]
         reward_model = load_reward_model(spec.reward_model_dir, spec.capability, tok)
     base_hash = state_dict_hash(model)  # of the float32 weights, before `place` casts them
     device = resolve_device(spec.device)
@@ -59,7 +61,7 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
 
     def rm_screen(m) -> dict:
         """Logged beside the rule's val score: a reward model's score can climb while the rule's falls."""
-        return {"rm_val": greedy_val_reward(reward_model, m, tok, spec.capability, spec.eval_limit)}
+        return {"rm_val": greedy_reward(reward_model, m, tok, spec.capability, val_prompts)}
 
     wrap = None
     if spec.deepspeed is not None:
