@@ -102,9 +102,17 @@ def base_classifier(base_dir: Path, seed: int):
     """The model at `base_dir` with a value head: its Qwen3 body under a fresh one-label score head
     (transformers loads the body's weights by name and initialises `score`, which the causal LM lacks)."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
     torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1, dtype=torch.float32)
+    # transformers warns that `score` is missing from the checkpoint (utils/loading_report.py): it is the
+    # new head, missing by design
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def encode(tokenizer, prompts: list[str], answers: list[str]) -> dict[str, torch.Tensor]:
