@@ -273,3 +273,18 @@ def test_train_reward_model_script_refuses_a_verified_capability(tmp_path, pico_
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "'count' has no reward model" in err
     assert not out.exists()
+
+
+def test_a_retrained_reward_model_trains_a_new_expert_version(tmp_path, pico_dir, tokenizer):
+    """The same spec over the same reward model is already done; over a retrained one it trains anew."""
+    from opd.expert.run import run_expert
+    from opd.expert.spec import load_expert_spec
+
+    rm = tmp_path / "rm"
+    _train_rm(tokenizer, rm, steps=2)
+    spec = load_expert_spec(_spec(tmp_path, pico_dir, rm, steps=1, eval_every=5, eval_limit=4))
+    first = run_expert(spec, out=tmp_path / "expert")
+    assert run_expert(spec, out=tmp_path / "expert")["version"] == first["version"] == 1
+    _train_rm(tokenizer, rm, steps=3)
+    again = run_expert(spec, out=tmp_path / "expert")
+    assert again["version"] == 2 and again["reward_model"]["content_hash"] != first["reward_model"]["content_hash"]

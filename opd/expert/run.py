@@ -49,6 +49,9 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     if fresh and ckpt.parent.exists():
         shutil.rmtree(ckpt.parent)
     done = _already_written(spec, out, base_hash)
+    if done is not None and reward_model is not None and \
+            (done.get("reward_model") or {}).get("content_hash") != reward_model.manifest["content_hash"]:
+        done = None  # the same spec over a reward model trained since: a new version
     if done is not None and not fresh:
         # Same spec, same base: nothing changed (also the case of a run killed right after writing).
         console.print(f"{out} already holds this spec's expert (version {done['version']}); nothing to do "
