@@ -3,9 +3,10 @@
     python bench/reward_hacking.py curve runs/experts/anagram
         the expert's screening curve from its manifest: the rule's val score (lm-eval), the reward
         model's score of the same greedy val answers, and both scores of each step's training samples
-    python bench/reward_hacking.py samples --base runs/base [--capability anagram] [--steps 40]
-        GSPO on the capability's reward model (its shipped spec's settings, no screening), then the
-        greedy answers to the first 12 val prompts before and after, with the rule's and the RM's scores
+    python bench/reward_hacking.py samples --base runs/base [--capability anagram] [--steps 40] [--kl-coef 0]
+        GSPO on the capability's reward model (its shipped spec's settings with `gspo.kl_coef` set to
+        --kl-coef, no screening), then the greedy answers to the first 12 val prompts before and after,
+        with the rule's and the RM's scores
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def curve(expert: Path) -> None:
     print("reward model:", m.get("reward_model"))
 
 
-def samples(base: str, capability: str, steps: int) -> None:
+def samples(base: str, capability: str, steps: int, kl_coef: float) -> None:
     import torch
 
     from opd.capabilities import get_capability
@@ -46,7 +47,8 @@ def samples(base: str, capability: str, steps: int) -> None:
     from opd.rollout import SamplingParams, get_engine
 
     torch.set_num_threads(1)
-    spec = load_expert_spec(f"experts/{capability}.yaml", base=base, steps=str(steps), eval_every="100000")
+    spec = load_expert_spec(f"experts/{capability}.yaml", base=base, steps=str(steps), eval_every="100000",
+                            **{"gspo.kl_coef": str(kl_coef)})
     model, tok = load_base(base)
     cap = get_capability(capability)
     rm = load_reward_model(spec.reward_model_dir or default_dir(capability), capability, tok)
@@ -80,11 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--base", default="runs/base")
     s.add_argument("--capability", default="anagram")
     s.add_argument("--steps", type=int, default=40)
+    s.add_argument("--kl-coef", type=float, default=0.0, help="the KL penalty (0: none, as in the hacking run)")
     args = ap.parse_args(argv)
     if args.cmd == "curve":
         curve(args.expert)
     else:
-        samples(args.base, args.capability, args.steps)
+        samples(args.base, args.capability, args.steps, args.kl_coef)
 
 
 if __name__ == "__main__":
