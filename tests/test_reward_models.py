@@ -166,16 +166,9 @@ def test_train_expert_refuses_a_bad_reward_model(tmp_path, pico_dir, anagram_rm,
 
     if case == "missing":
         rm = tmp_path / "runs" / "reward_models" / "anagram"
-    else:  # the same reward model, its manifest saying it was trained on a BPE
-        import shutil
-
+    else:  # a reward model fitted on a byte-level BPE, for a policy on the char tokenizer
         rm = tmp_path / "rm-bpe"
-        shutil.copytree(anagram_rm[0], rm)
-        m = json.loads((rm / "manifest.json").read_text())
-        bpe = train_bpe_tokenizer(get_capability("anagram").items("train", 200), vocab_size=300)
-        from opd.io import tokenizer_hash
-
-        (rm / "manifest.json").write_text(json.dumps({**m, "tokenizer_hash": tokenizer_hash(bpe)}))
+        _train_rm(train_bpe_tokenizer(get_capability("anagram").items("train", 200), vocab_size=300), rm, steps=2)
     spec = _spec(tmp_path, pico_dir, rm)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
