@@ -7,6 +7,8 @@
         GSPO on the capability's reward model (its shipped spec's settings with `gspo.kl_coef` set to
         --kl-coef, no screening), then the greedy answers to the first 12 val prompts before and after,
         with the rule's and the RM's scores
+    python bench/reward_hacking.py score runs/reward_models/anagram w:gcfea= gcfea gcfe gcfeaa ...
+        a reward model's score of each answer to one prompt, beside the hidden rule's
 """
 
 from __future__ import annotations
@@ -73,6 +75,21 @@ def samples(base: str, capability: str, steps: int, kl_coef: float) -> None:
     show(f"after {state.step} GSPO steps on the reward model")
 
 
+def score(rm_dir: Path, prompt: str, answers: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    from opd.capabilities import get_capability
+    from opd.capabilities.reward_model import load_reward_model
+
+    capability = json.loads((rm_dir / "manifest.json").read_text())["capability"]
+    cap = get_capability(capability)
+    rm = load_reward_model(rm_dir, capability, AutoTokenizer.from_pretrained(rm_dir))
+    reference = prompt[2:-1] if capability == "anagram" else prompt[2:-1][::-1]
+    print("| answer | the rule | RM score |\n|---|---:|---:|")
+    for a, s in zip(answers, rm.score([prompt] * len(answers), answers)):
+        print(f"| `{a}` | {cap.verify(a, reference):.0f} | {s:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -83,9 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--capability", default="anagram")
     s.add_argument("--steps", type=int, default=40)
     s.add_argument("--kl-coef", type=float, default=0.0, help="the KL penalty (0: none, as in the hacking run)")
+    r = sub.add_parser("score")
+    r.add_argument("reward_model", type=Path)
+    r.add_argument("prompt")
+    r.add_argument("answers", nargs="+")
     args = ap.parse_args(argv)
     if args.cmd == "curve":
         curve(args.expert)
+    elif args.cmd == "score":
+        score(args.reward_model, args.prompt, args.answers)
     else:
         samples(args.base, args.capability, args.steps, args.kl_coef)
 
