@@ -1,9 +1,9 @@
 """Lab capabilities whose experts learn from a learned reward, not a verifier (issue #32, item 2).
 
-Each has a hidden rule that says which free-form answers are good. Only evaluation calls the rule
-(it is the capability's `verify`, which lm-eval's metric hook runs on val and test). Training sees
-the rule only through preference pairs that it generates, on which a small reward model is fitted
-(opd.capabilities.reward_model); the GSPO expert then trains on that model's score.
+Each has a hidden rule that says which free-form answers are good: the capability's `verify`, which
+lm-eval's metric hook runs on val and test. The policy learns of the rule only through preference pairs
+that it generates, on which a small reward model is fitted (opd.capabilities.reward_model); the GSPO
+expert trains on that model's score (its loop logs the rule's score of the samples, never trains on it).
 
 - `anagram` (a required format over free-form text): rewrite the word with exactly its letters, in
   any order. Many answers are good. The pairs it generates carry a spurious cue on purpose: most
