@@ -1,10 +1,11 @@
 """A small reward model for a learned-reward capability: fitted, saved with its manifest, loaded and scored.
 
-The model is transformers' `AutoModelForSequenceClassification` on a lab-shaped Qwen3 config with one
-label (Qwen3ForSequenceClassification: a linear score head read at the last non-pad token,
-transformers/modeling_layers.py GenericForSequenceClassification), trained from scratch on the
-lab's tokenizer with the Bradley-Terry loss (opd.rl.preference_loss) on the pairs the capability's
-hidden rule generates. It is small and sees few pairs on purpose: its mistakes are what a policy
+The model is transformers' `AutoModelForSequenceClassification` with one label on a Qwen3 config
+(Qwen3ForSequenceClassification: a linear score head read at the last non-pad token,
+transformers/modeling_layers.py GenericForSequenceClassification): the lab base with that value head
+(`init: base`), or a small one from scratch on the lab's tokenizer (`init: scratch`). It is fitted with
+the Bradley-Terry loss (opd.rl.preference_loss, loop in opd.rl.reward_fit) on the pairs the
+capability's hidden rule generates. It sees few pairs on purpose: its mistakes are what a policy
 trained on it can exploit.
 
 Its directory holds the HF model, its tokenizer and `manifest.json` (kind `reward_model`, the
