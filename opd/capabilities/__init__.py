@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from opd.capabilities.base import EVAL_SPLITS, SPLIT_BUCKETS, Capability, Item, exact_reward, prompt_texts
 from opd.capabilities.builtin import BUILTIN
+from opd.capabilities.preference import LEARNED_REWARD
 from opd.errors import OpdError
 
 _REGISTRY: dict[str, Capability] = {}
@@ -34,7 +35,7 @@ def list_capabilities() -> list[str]:
     return sorted(_REGISTRY)
 
 
-for _cap in BUILTIN:
+for _cap in [*BUILTIN, *LEARNED_REWARD]:  # the learned-reward ones: opd.capabilities.preference
     register(_cap)
 
 __all__ = [

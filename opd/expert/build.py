@@ -55,7 +55,7 @@ def score_matrix(model, tok, caps: list[str], model_hash: str) -> dict:
 
 
 def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash: str,
-                 out: Path, caps: list[str], log=print) -> dict:
+                 out: Path, caps: list[str], log=print, extra: dict | None = None) -> dict:
     model.load_state_dict(state.best_model)
     model.eval()
     # the hash of the weights as a float32 reader loads them (the merge does), whatever dtype trained them
@@ -76,6 +76,7 @@ def write_expert(spec: ExpertSpec, model, tok, state, base_dir: Path, base_hash:
                   "device": str(next(model.parameters()).device),
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
     }
+    manifest.update(extra or {})  # e.g. the reward model a learned-reward expert trained on
     version_previous(out)
     manifest["version"] = _next_version(out)
     ExpertManifest.model_validate(manifest)  # what the merge engine will read back: fail here, not there

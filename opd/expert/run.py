@@ -29,6 +29,13 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     out = check_output(out, "--out", kind="expert") if out else check_output(default_out(spec), "name", kind="expert")
     base_dir = Path(spec.base)
     model, tok = load_base(base_dir)
+    reward_model = None
+    if spec.reward_model_dir is not None:  # refused before anything is written: missing, or another tokenizer's
+        from opd.capabilities.reward_model import greedy_reward, load_reward_model
+        from opd.evaluation.heldout import heldout_items
+
+        val_prompts = [it["prompt"] for it in heldout_items(spec.capability, "val")[: spec.eval_limit]]
+        reward_model = load_reward_model(spec.reward_model_dir, spec.capability, tok)
     base_hash = state_dict_hash(model)  # of the float32 weights, before `place` casts them
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
@@ -42,6 +49,9 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     if fresh and ckpt.parent.exists():
         shutil.rmtree(ckpt.parent)
     done = _already_written(spec, out, base_hash)
+    if done is not None and reward_model is not None and \
+            (done.get("reward_model") or {}).get("content_hash") != reward_model.manifest["content_hash"]:
+        done = None  # the same spec over a reward model trained since: a new version
     if done is not None and not fresh:
         # Same spec, same base: nothing changed (also the case of a run killed right after writing).
         console.print(f"{out} already holds this spec's expert (version {done['version']}); nothing to do "
@@ -51,6 +61,10 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
 
     def screen(m) -> float:
         return evaluate(m, tok, [spec.capability], "val", limit=spec.eval_limit)[spec.capability].score
+
+    def rm_screen(m) -> dict:
+        """Logged beside the rule's val score: a reward model's score can climb while the rule's falls."""
+        return {"rm_val": greedy_reward(reward_model, m, tok, spec.capability, val_prompts)}
 
     wrap = None
     if spec.deepspeed is not None:
@@ -77,13 +91,26 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
                     f"best val {state.best_score:.2f}@{state.best_step}")
             if "val" in rec:
                 info += f" val {rec['val']:.2f}"
+            if "rm_val" in rec:
+                info += f" rm val {rec['rm_val']:.2f}"
             bar.update(task, completed=state.step, info=info)
 
         state = train(spec.gspo, spec.run_settings(), model, tok, ckpt, evaluate_fn=screen, log=console.print,
+<<<<<<< HEAD
                       progress=progress, wrap=wrap, tracker=tracker)
     if ranks.rank != 0:
+=======
+                      progress=progress, wrap=wrap, tracker=tracker,
+                      extra_eval_fn=rm_screen if reward_model is not None else None)
+    if int(os.environ.get("RANK", "0")) != 0:
+>>>>>>> i-rm
         return {}  # rank 0 scores and writes the expert
-    manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print)
+    rm_ref = None if reward_model is None else {
+        "path": spec.reward_model_dir, "content_hash": reward_model.manifest["content_hash"],
+        "tokenizer_hash": reward_model.manifest["tokenizer_hash"],
+        "heldout_accuracy": reward_model.manifest["heldout"]["accuracy"]}
+    manifest = write_expert(spec, model, tok, state, base_dir, base_hash, out, caps, log=console.print,
+                            extra={"reward_model": rm_ref} if rm_ref else None)
     shutil.rmtree(ckpt.parent, ignore_errors=True)
     base_scores = {c: s.score for c, s in evaluate(load_base(base_dir, device, dtype)[0], tok, caps, "test",
                                                    model_hash=base_hash + dtype_tag(dtype)).items()}

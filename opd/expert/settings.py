@@ -55,7 +55,10 @@ class GSPORun(BaseModel):
     capability: str = Field(description="capability whose train prompts and reward train the policy")
     seed: int = Field(0, description="seed for sampling and the prompt stream")
     difficulty: int | None = Field(None, ge=0, description="prompt difficulty; default: the capability's")
-    reward: str = Field("verifier", description="training reward (opd.capabilities.rewards)")
+    reward: str = Field("verifier", description="training reward (opd.capabilities.rewards), or 'reward_model': "
+                        "the score of the reward model at `reward_model`")
+    reward_model: str | None = Field(None, description="reward model directory (opd.capabilities.reward_model) "
+                                     "when reward is 'reward_model'")
     reward_timeout_s: float = Field(2.0, ge=0, description="a reward call taking longer scores 0 and is counted "
                                     "(0 = no limit)")
     steps: int = Field(200, gt=0, description="rollout batches (upper bound; max_minutes may stop earlier)")

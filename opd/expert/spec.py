@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
+from opd.capabilities.preference import LearnedRewardCapability
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.expert.settings import GSPOConfig, GSPORun
@@ -29,7 +30,12 @@ class ExpertSpec(BaseModel):
     capability: str = Field(description="capability to train (a registry name)")
     base: str = Field("runs/base", description="base model directory (HF format)")
     seed: int = Field(0, description="seed for sampling and the prompt stream")
-    reward: Literal["verifier", "partial"] = Field("verifier", description="training reward (opd.capabilities.rewards); eval always uses the verifier")
+    reward: Literal["verifier", "partial", "reward_model"] = Field(
+        "verifier", description="training reward (opd.capabilities.rewards), or 'reward_model': the score of a "
+        "learned-reward capability's reward model (opd.capabilities.preference); eval always uses the verifier "
+        "(for those capabilities, their hidden rule)")
+    reward_model: str | None = Field(None, description="with reward: reward_model, the reward model's directory "
+                                     "(default runs/reward_models/<capability>, made by scripts/train_reward_model.py)")
     reward_timeout_s: float = Field(2.0, ge=0, description="a reward call taking longer scores 0 and is counted (0 = no limit)")
     difficulty: int | None = Field(None, ge=0, description="prompt difficulty; default: the capability's (the eval's)")
     steps: int = Field(200, gt=0, description="rollout batches (upper bound; max_minutes may stop earlier)")
@@ -58,7 +64,12 @@ class ExpertSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        get_capability(self.capability)
+        cap = get_capability(self.capability)
+        if self.reward == "reward_model" and not isinstance(cap, LearnedRewardCapability):
+            raise ValueError(f"reward 'reward_model' needs a learned-reward capability (anagram, mirror); "
+                             f"{self.capability!r} is verified: use reward 'verifier' or 'partial'")
+        if self.reward_model is not None and self.reward != "reward_model":
+            raise ValueError("reward_model is set but reward is not 'reward_model'")
         for c in self.score_capabilities or []:
             get_capability(c)
         return self
@@ -72,11 +83,20 @@ class ExpertSpec(BaseModel):
         """The resources its cluster task asks for: `resources`, else one CPU per torch thread."""
         return dict(self.resources) if self.resources is not None else {"CPU": float(self.threads)}
 
+    @property
+    def reward_model_dir(self) -> str | None:
+        """The reward model the expert trains on (reward: reward_model), else None."""
+        if self.reward != "reward_model":
+            return None
+        from opd.capabilities.reward_model import default_dir
+
+        return self.reward_model or str(default_dir(self.capability))
+
     def run_settings(self) -> GSPORun:
         """The GSPO loop's run settings for this spec. Its checkpoints record the spec, and a run
         resumes only a checkpoint of the same spec (`same_spec`)."""
         return GSPORun(name=self.expert_name, capability=self.capability, seed=self.seed, difficulty=self.difficulty,
-                       reward=self.reward, reward_timeout_s=self.reward_timeout_s, steps=self.steps,
+                       reward=self.reward, reward_model=self.reward_model_dir, reward_timeout_s=self.reward_timeout_s, steps=self.steps,
                        max_minutes=self.max_minutes, eval_every=self.eval_every, checkpoint_every=self.checkpoint_every,
                        engine=self.engine, engine_args=self.engine_args, deepspeed=self.deepspeed is not None,
                        job=self.model_dump(mode="json"), same_job=functools.partial(same_spec, spec=self))

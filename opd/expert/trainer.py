@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from opd.capabilities import get_capability, prompt_texts
+from opd.capabilities.reward_model import load_reward_model
 from opd.capabilities.rewards import GuardedReward, get_reward
 from opd.devices import model_device
 from opd.expert.settings import GSPOConfig, GSPORun
@@ -47,9 +48,12 @@ def prompt_rng(run: GSPORun, rank: int = 0) -> random.Random:
     return random.Random(f"gspo|{run.capability}|{run.seed}" + (f"|{rank}" if rank else ""))
 
 
-def _rollout_batch(engine, cap, rng, g: GSPOConfig, run: GSPORun, state: RunState, seed: int):
-    """Sample groups until `min_informative` of them have mixed rewards (or resampling runs out)."""
-    reward = GuardedReward(get_reward(run.reward), run.reward_timeout_s)
+def _rollout_batch(engine, cap, rng, g: GSPOConfig, run: GSPORun, state: RunState, seed: int, reward_model=None):
+    """Sample groups until `min_informative` of them have mixed rewards (or resampling runs out).
+    `reward_model` (opd.capabilities.reward_model.RewardModel): each group is scored by it in one batch
+    instead of by `run.reward`, and the hidden rule's score of the same samples is logged beside it."""
+    reward = GuardedReward(get_reward(run.reward), run.reward_timeout_s) if reward_model is None else None
+    learned: dict[str, list[float]] = {"rm_reward": [], "rule_reward": []}
     params = SamplingParams(temperature=state.temperature,
                             max_new_tokens=g.max_new_tokens or cap.max_new_tokens + 1, seed=seed)
     kept, seen, gen_tokens = [], 0, 0
@@ -58,7 +62,13 @@ def _rollout_batch(engine, cap, rng, g: GSPOConfig, run: GSPORun, state: RunStat
         groups = engine.generate(prompt_texts(items, getattr(engine, "tokenizer", None)), g.group_size,
                                  SamplingParams(**{**params.__dict__, "seed": seed * 31 + round_}))
         for it, group in zip(items, groups):
-            rewards = [reward(r.text, it.answer, cap) for r in group]
+            if reward_model is None:
+                rewards = [reward(r.text, it.answer, cap) for r in group]
+            else:
+                rewards = reward_model.score([it.prompt] * len(group), [r.text for r in group])
+                learned["rm_reward"] += rewards
+                # logged only, never trained on: how far the reward model's score and the rule part
+                learned["rule_reward"] += [cap.verify(r.text, it.answer) for r in group]
             gen_tokens += sum(len(r.completion_ids) for r in group)
             seen += 1
             if not g.drop_zero_variance or max(rewards) > min(rewards):
@@ -66,7 +76,8 @@ def _rollout_batch(engine, cap, rng, g: GSPOConfig, run: GSPORun, state: RunStat
         if len(kept) >= g.min_informative * g.prompts_per_step:
             break
     informative = sum(max(r) > min(r) for _, r in kept)
-    failures = {"reward_errors": reward.errors, "reward_timeouts": reward.timeouts}
+    failures = {"reward_errors": reward.errors, "reward_timeouts": reward.timeouts} if reward is not None else \
+        {k: sum(v) / max(1, len(v)) for k, v in learned.items()}
     return kept[: g.prompts_per_step], informative / max(1, seen), gen_tokens, failures
 
 
@@ -140,16 +151,19 @@ def checkpointer(path: Path, run: GSPORun, ranks: Ranks = Ranks(), log=print) ->
 
 
 def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, evaluate_fn, log=print,
-          progress=None, wrap=None, tracker: Tracker | None = None) -> RunState:
+          progress=None, wrap=None, tracker: Tracker | None = None, extra_eval_fn=None) -> RunState:
     """Run GSPO with settings `g` until `run.steps` or `run.max_minutes`; returns the state holding
     the best model.
 
     `evaluate_fn(model) -> float` screens on validation; `wrap(model, opt) -> (model, opt, backward)`
     swaps in a DeepSpeed engine; `tracker` (opd.tracking) gets every history record;
-    `progress(state, rec)` after each step, with rec None once on resume.
+    `progress(state, rec)` after each step, with rec None once on resume; `extra_eval_fn(model) -> dict`
+    adds logged-only numbers at each screening (a learned reward's score on val); the best model is
+    still the one `evaluate_fn` picks.
     """
     tracker = tracker or Tracker()
     cap = get_capability(run.capability)
+    reward_model = load_reward_model(run.reward_model, cap.name, tokenizer) if run.reward == "reward_model" else None
     # fused: one kernel for every parameter instead of a dozen ops each (tiny models are all overhead)
     opt = torch.optim.AdamW(model.parameters(), lr=g.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     ref_model = copy.deepcopy(model).eval() if g.kl_coef > 0 else None
@@ -166,7 +180,10 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
         state.best_score = evaluate_fn(model)
         state.best_model = copy.deepcopy(model.state_dict())
         log(f"step 0: val {run.capability} = {state.best_score:.3f}")
-        tracker.log({"val": state.best_score}, 0)
+        first = {"val": state.best_score, **(extra_eval_fn(model) if extra_eval_fn else {})}
+        if extra_eval_fn:
+            state.history.append({"step": 0, **first})
+        tracker.log(first, 0)
     else:
         log(f"resuming {run.name} at step {state.step} (best val {state.best_score:.3f} at step {state.best_step})")
         if progress:
@@ -186,7 +203,8 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
     while state.step < run.steps and time.time() - t0 < run.max_minutes * 60:
         t_roll = time.time()
         kept, share, gen_tokens, failures = _rollout_batch(engine, cap, rng, g, run, state,
-                                                           seed=run.seed * 100_003 + state.step + ranks.rank * 1_000_003)
+                                                           seed=run.seed * 100_003 + state.step + ranks.rank * 1_000_003,
+                                                           reward_model=reward_model)
         t_roll = time.time() - t_roll
         # Stalled groups carry no signal: raise temperature while informative groups are scarce.
         if share < g.min_informative:
@@ -205,6 +223,8 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
                "train_tok_s": st.get("trained_tokens", 0) / max(t_upd, 1e-9), **failures, **st}
         if state.step % run.eval_every == 0:
             rec["val"] = evaluate_fn(policy)
+            if extra_eval_fn:
+                rec.update(extra_eval_fn(policy))
             if rec["val"] > state.best_score:
                 state.best_score, state.best_step = rec["val"], state.step
                 state.best_model = copy.deepcopy(policy.state_dict())
