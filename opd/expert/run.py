@@ -96,14 +96,9 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
             bar.update(task, completed=state.step, info=info)
 
         state = train(spec.gspo, spec.run_settings(), model, tok, ckpt, evaluate_fn=screen, log=console.print,
-<<<<<<< HEAD
-                      progress=progress, wrap=wrap, tracker=tracker)
-    if ranks.rank != 0:
-=======
                       progress=progress, wrap=wrap, tracker=tracker,
                       extra_eval_fn=rm_screen if reward_model is not None else None)
-    if int(os.environ.get("RANK", "0")) != 0:
->>>>>>> i-rm
+    if ranks.rank != 0:
         return {}  # rank 0 scores and writes the expert
     rm_ref = None if reward_model is None else {
         "path": spec.reward_model_dir, "content_hash": reward_model.manifest["content_hash"],
