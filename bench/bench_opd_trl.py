@@ -56,29 +56,40 @@ def load_model(path: str):
 
 
 class Steps:
-    """Called after every training step with the student tokens so far: copies the student's weights at
-    each grid point of student tokens ((tokens, state_dict) pairs, scored later), and times the steps
-    after a run's first (its start-up: a trainer's first step, a sampling worker's fork) without the copies."""
+    """Called after every training step with the student tokens so far. At each grid point g of student
+    tokens it keeps the student's weights after the last step below g and after the first step at or
+    above it (scored later, untimed, and interpolated to g: a side with large steps is not credited with
+    the tokens it overshoots by). Times the steps after a run's first (its start-up: a trainer's first
+    step, a sampling worker's fork), without the copies."""
 
     def __init__(self, model, grid: int):
-        self.model, self.grid, self.next, self.points = model, grid, grid, []
+        self.model, self.grid, self.next = model, grid, grid
+        self.prev = (0, self.weights())
+        self.points: list[tuple[int, tuple, tuple]] = []  # (g, (tokens, weights) before, (tokens, weights) after)
         self.seconds, self.tokens, self.last = 0.0, 0, None
+        self.cpu, self.last_cpu = 0.0, None  # this process's CPU seconds over the same steps
+
+    def weights(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def start(self, tokens: int) -> None:
         """A run (of several, for TRL's per-teacher runs) begins: its first step is not timed."""
-        self.last = None
+        self.last = self.last_cpu = None
         self.base = tokens
 
     def __call__(self, tokens: int) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if self.last is not None:
             self.seconds += now - self.last
+            self.cpu += cpu - self.last_cpu
             self.tokens += tokens - self.base
         self.base = tokens
+        after = (tokens, self.weights())
         while tokens >= self.next:
-            self.points.append((tokens, {k: v.detach().clone() for k, v in self.model.state_dict().items()}))
+            self.points.append((self.next, self.prev, after))
             self.next += self.grid
-        self.last = time.perf_counter()
+        self.prev = after
+        self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
 
 # ---- TRL ------------------------------------------------------------------------------------------
@@ -145,7 +156,8 @@ def run_trl(student, tok, teacher_paths: dict[str, str], args, seed: int, max_ne
             steps.start(count["tokens"])
             trainer.train()
             del trainer
-    return {"seconds": steps.seconds, "tokens": steps.tokens, "all_tokens": count["tokens"], "points": steps.points}
+    return {"seconds": steps.seconds, "cpu": steps.cpu, "tokens": steps.tokens, "all_tokens": count["tokens"],
+            "points": steps.points}
 
 
 # ---- opd ------------------------------------------------------------------------------------------
@@ -175,7 +187,8 @@ def run_opd(student, tok, teacher_paths: dict[str, str], args, seed: int, max_ne
                     progress=lambda st, rec: steps(st.gen_tokens) if rec is not None else None,
                     stop=lambda rec: rec["gen_tokens"] >= args.tokens)
     phases = {p: sum(r.get(f"time/{p}", 0.0) for r in state.history) for p in ("sample", "score", "update")}
-    return {"seconds": steps.seconds, "tokens": steps.tokens, "all_tokens": state.gen_tokens, "points": steps.points,
+    return {"seconds": steps.seconds, "cpu": steps.cpu, "tokens": steps.tokens, "all_tokens": state.gen_tokens,
+            "points": steps.points,
             "phases": phases, "steps": state.step}
 
 
@@ -183,15 +196,23 @@ def run_opd(student, tok, teacher_paths: dict[str, str], args, seed: int, max_ne
 
 
 def score_points(base: str, tok, points, caps, limit: int) -> list[tuple[int, float]]:
-    """(tokens, mean val score over `caps`) at each snapshot: lm-eval, greedy, first `limit` val items."""
+    """(g, mean val score over `caps`) at each grid point g: lm-eval, greedy, the first `limit` val items of
+    each capability, scored on the weights before and after g and interpolated linearly in tokens."""
     from opd.evaluation.api import evaluate
 
-    model = load_model(base)
+    model, done = load_model(base), {}
+
+    def score(tokens, weights):
+        if tokens not in done:  # consecutive grid points share a snapshot
+            model.load_state_dict(weights)
+            scores = evaluate(model, tok, caps, "val", limit=limit, use_cache=False)
+            done[tokens] = sum(s.score for s in scores.values()) / len(caps)
+        return done[tokens]
+
     out = []
-    for tokens, sd in points:
-        model.load_state_dict(sd)
-        scores = evaluate(model, tok, caps, "val", limit=limit, use_cache=False)
-        out.append((tokens, sum(s.score for s in scores.values()) / len(caps)))
+    for g, (t0, w0), (t1, w1) in points:
+        s0, s1 = score(t0, w0), score(t1, w1)
+        out.append((g, s0 + (s1 - s0) * (g - t0) / max(1, t1 - t0)))
     return out
 
 
@@ -226,13 +247,13 @@ def compare(n_teachers: int, base: str, experts: dict[str, str], tok, args) -> f
     caps = ["sort"] if n_teachers == 1 else LAB10[:n_teachers]
     paths = {c: experts[c] for c in caps}
     max_new = args.max_new_tokens or max(get_capability(c).max_new_tokens for c in caps) + 1
-    sides = {"opd": run_opd, "trl": run_trl}
-    results: dict[str, list[dict]] = {"opd": [], "trl": []}
+    sides = {n: f for n, f in (("opd", run_opd), ("trl", run_trl)) if n in args.sides}
+    results: dict[str, list[dict]] = {n: [] for n in sides}
     print(f"\n== {n_teachers} teacher(s): {', '.join(caps)}; {args.tokens} student tokens per run, grid every "
           f"{args.grid}; <= {max_new} new tokens; {uptime()}", flush=True)
     for seed in range(args.seeds):
         order = ("opd", "trl") if seed % 2 == 0 else ("trl", "opd")  # A B B A: both meet the same load
-        for name in order:
+        for name in (n for n in order if n in sides):
             r = sides[name](load_model(base), tok, paths, args, seed, max_new)
             results[name].append(r)
             extra = ""
@@ -240,14 +261,21 @@ def compare(n_teachers: int, base: str, experts: dict[str, str], tok, args) -> f
                 s = sum(r["phases"].values()) or 1.0
                 extra = f" ({r['steps']} steps; " + ", ".join(f"{p} {v / s:.0%}" for p, v in r["phases"].items()) + ")"
             print(f"{name} seed {seed}: {r['tokens']} student tokens in {r['seconds']:.1f} s -> "
-                  f"{r['tokens'] / r['seconds']:.0f} tokens/s{extra}; load {os.getloadavg()[0]:.2f}", flush=True)
+                  f"{r['tokens'] / r['seconds']:.0f} tokens/s ({r['cpu']:.1f} s CPU in this process){extra}; load {os.getloadavg()[0]:.2f}", flush=True)
     tps = {n: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for n, rs in results.items()}
+    if len(sides) < 2:  # a one-sided run (tuning one side): its quality, no ratio
+        for n, rs in results.items():
+            for r in rs:
+                print(f"{n}: " + ", ".join(f"{t}:{v:.3f}" for t, v in score_points(base, tok, r["points"], caps,
+                                                                                   args.eval_limit)))
+        return float("nan")
     print(f"tokens/s over {args.seeds} seeds: opd {tps['opd']:.0f}, trl {tps['trl']:.0f}; per seed: "
           + ", ".join(f"{o['tokens'] / o['seconds'] / (t['tokens'] / t['seconds']):.2f}x"
                       for o, t in zip(results["opd"], results["trl"])), flush=True)
     # quality per student token, untimed: mean over seeds of the mean val score at each grid point
     curves = {n: [score_points(base, tok, r["points"], caps, args.eval_limit) for r in rs] for n, rs in results.items()}
-    start = score_points(base, tok, [(0, load_model(base).state_dict())], caps, args.eval_limit)[0][1]
+    start_w = (0, load_model(base).state_dict())
+    start = score_points(base, tok, [(0, start_w, start_w)], caps, args.eval_limit)[0][1]
     n_points = min(len(c) for cs in curves.values() for c in cs)
     # binomial stderr of a difference of two seed-averaged means over eval_limit x caps items
     se = math.sqrt(2 * 0.25 / (args.eval_limit * len(caps) * args.seeds))
@@ -281,12 +309,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="completion cap of both sides (default opd's: the largest capability's + 1)")
+    ap.add_argument("--sides", default="opd,trl", help=argparse.SUPPRESS)  # one side alone: tuning it
     ap.add_argument("--cores", default=None, help="CPU cores both sides run on, e.g. 0,1 (default: this process's)")
     # TRL
     ap.add_argument("--trl-prompts", type=int, default=64, help="TRL: prompts per step (one completion each)")
     ap.add_argument("--trl-lr", type=float, default=1e-4)
     ap.add_argument("--trl-threads", type=int, default=None, help="TRL: torch threads (default: the cores)")
-    ap.add_argument("--trl-rounds", type=int, default=2, help="ten teachers: rounds of ten per-teacher runs")
+    ap.add_argument("--trl-rounds", type=int, default=1, help="ten teachers: rounds of ten per-teacher runs")
     # opd
     ap.add_argument("--prompts", type=int, default=128, help="opd: prompts per step")
     ap.add_argument("--group", type=int, default=3, help="opd: samples per prompt")
