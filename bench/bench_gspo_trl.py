@@ -8,7 +8,8 @@ the capability's shipped expert spec's (experts/<capability>.yaml: 16 prompts x 
 clip 3e-4 / 4e-4), each overridable by its flag. opd's embedded engine samples with --engine-args
 (default: compact_every 3, packed prefill: the same sampling distribution, without computing the rows
 that have stopped or the prompts' padding; see opd.rollout.embedded); `--engine-args ''` is the engine's
-defaults.
+defaults. Its update lays the rows out --layout (default packed: one forward without padding, each prompt
+once; GSPOConfig.layout). Neither changes what is sampled or the loss (same values to float rounding).
 
 Both trainers start from the same weights and see the same prompts in the same order (the stream
 opd's loop draws from the capability's train split; TRL's dataset shuffling is off), group size,
@@ -63,7 +64,7 @@ def opd_settings(args):
 
     gspo = GSPOConfig(prompts_per_step=args.prompts, group_size=args.group, updates_per_batch=args.updates,
                       lr=args.lr, eps_low=args.eps_low, eps_high=args.eps_high, max_new_tokens=args.max_new_tokens,
-                      drop_zero_variance=False, min_informative=0.0, max_resample=0)
+                      drop_zero_variance=False, min_informative=0.0, max_resample=0, layout=args.layout)
     run = GSPORun(name=args.capability, capability=args.capability, steps=args.steps, seed=args.seed,
                   eval_every=10**6, checkpoint_every=10**6, max_minutes=10**6, engine_args=engine_args(args))
     return gspo, run
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=None, help="default: the spec's")
     ap.add_argument("--eps-low", type=float, default=None, help="default: the spec's")
     ap.add_argument("--eps-high", type=float, default=None, help="default: the spec's")
+    ap.add_argument("--layout", choices=["grouped", "packed"], default="packed",
+                    help="opd's update layout (GSPOConfig.layout): the same values and gradients to float rounding")
     ap.add_argument("--engine-args", default="compact_every=3,prefill=packed",
                     help="opd's embedded engine options (k=v,...; '' for its defaults): same sampling distribution")
     ap.add_argument("--hidden", type=int, default=64, help="width of the built model (no --base)")
@@ -212,7 +215,8 @@ def main(argv=None) -> int:
           f"{args.group} samples, <= {args.max_new_tokens} new tokens, {args.updates} updates per batch, lr "
           f"{args.lr:g}, clip {args.eps_low:g} / {args.eps_high:g} (from {source_settings}); {uptime()}")
     print(f"settings that differ: opd's engine samples with {engine_args(args) or 'its defaults'} (TRL: "
-          "transformers generate on left-padded prompts, every row to the longest answer); opd keeps every group "
+          "transformers generate on left-padded prompts, every row to the longest answer); opd's update layout "
+          f"{args.layout} (TRL: one right-padded row per completion); opd keeps every group "
           "(no zero-variance dropping or resampling, as TRL)")
 
     runs: dict[str, list[dict]] = {"opd": [], "trl": []}
