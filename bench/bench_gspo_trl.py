@@ -138,7 +138,9 @@ def run_trl(model, tok, args) -> dict:
     batch = args.prompts * args.group
     with tempfile.TemporaryDirectory() as d:
         config = GRPOConfig(
-            output_dir=d, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+            # one log per rollout batch (its reward), no progress bar: TRL's own overheads kept small
+            output_dir=d, use_cpu=True, report_to="none", save_strategy="no", logging_steps=args.updates,
+            disable_tqdm=True,
             seed=args.seed, shuffle_dataset=False,
             learning_rate=args.lr, max_grad_norm=1.0, lr_scheduler_type="constant",
             # opd trains in fp32 without activation recomputation; TRL's defaults are bf16=True and
