@@ -124,7 +124,7 @@ def run_trl(student, tok, teacher_paths: dict[str, str], args, seed: int, max_ne
 
         def on_step_end(self, _args, state, control, **_):
             steps(count["tokens"])
-            if count["tokens"] >= self.until:
+            if count["tokens"] >= self.until and state.global_step >= 2:  # >= 1 timed step a run
                 control.should_training_stop = True
 
     with tempfile.TemporaryDirectory() as d:
@@ -187,7 +187,7 @@ def run_opd(student, tok, teacher_paths: dict[str, str], args, seed: int, max_ne
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     state = distill(opd_config(args, seed), student, tok, teachers, routes, log=lambda *_: None,
                     progress=lambda st, rec: steps(st.gen_tokens) if rec is not None else None,
-                    stop=lambda rec: rec["gen_tokens"] >= args.tokens)
+                    stop=lambda rec: rec["gen_tokens"] >= args.tokens and rec["step"] >= 3)  # >= 2 timed steps
     phases = {p: sum(r.get(f"time/{p}", 0.0) for r in state.history) for p in ("sample", "score", "update")}
     ended = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sampling process, once it has ended: all its run
     worker_cpu = ended.ru_utime + ended.ru_stime - children.ru_utime - children.ru_stime
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
         return 2
     if args.quick:
         args.tokens, args.grid, args.eval_limit = min(args.tokens, 3000), min(args.grid, 1500), min(args.eval_limit, 10)
-        args.prompts, args.trl_prompts = min(args.prompts, 32), min(args.trl_prompts, 32)
+        args.prompts, args.trl_prompts = min(args.prompts, 16), min(args.trl_prompts, 16)
         args.updates = min(args.updates, 2)
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
