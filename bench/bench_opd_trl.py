@@ -321,7 +321,8 @@ def main(argv=None) -> int:
     # TRL
     ap.add_argument("--trl-prompts", type=int, default=64, help="TRL: prompts per step (one completion each)")
     ap.add_argument("--trl-lr", type=float, default=1e-4)
-    ap.add_argument("--trl-threads", type=int, default=None, help="TRL: torch threads (default: the cores)")
+    ap.add_argument("--trl-threads", type=int, default=1, help="TRL: torch threads (1: TRL's fastest on this "
+                    "machine's tiny models; 2 threads on 2 loaded cores ran ~8x slower)")
     ap.add_argument("--trl-rounds", type=int, default=1, help="ten teachers: rounds of ten per-teacher runs")
     # opd
     ap.add_argument("--prompts", type=int, default=256, help="opd: prompts per step")
@@ -351,7 +352,6 @@ def main(argv=None) -> int:
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     cores = sorted(os.sched_getaffinity(0))
-    args.trl_threads = args.trl_threads or len(cores)
     args.opd_threads = args.opd_threads or max(1, len(cores) // (2 if args.sample_ahead == "process" else 1))
     counts = [int(n) for n in args.teachers.split(",")]
     if set(counts) - {1, 10}:
