@@ -9,16 +9,18 @@ better quality per student token.
 Both sides start from the same student (the base) with the same teachers, the same capabilities' train
 prompts, reverse KL on the student's own samples (TRL: `beta=1.0`; TRL 1.16's `DistillationTrainer` has no
 `lmbda`: it always samples on-policy), the same completion cap and fp32 weights, on the same CPU cores
-(this process's affinity, printed). They run interleaved (opd, TRL, TRL, opd, ...) for --seeds seeds, each
-until it has sampled --tokens student tokens. Timing: each run's training wall time; the quality checks
-are not in it: at every --grid student tokens the run copies the student's weights (milliseconds) and the
-copies are scored afterwards, untimed, with the same lm-eval task (greedy, --eval-limit val items per
-capability) for both sides.
+(this process's affinity, printed).
+They run interleaved (opd, TRL, TRL, opd, ...) for --seeds seeds, each until it has sampled --tokens
+student tokens. Timing: the wall time of each run's steps after its first (start-up, a trainer's first
+step and a sampling worker's fork left out; for TRL's per-teacher runs, each run's first step), without
+the quality snapshots: around every --grid student tokens the run copies the student's weights
+(milliseconds), and the copies are scored afterwards, untimed, with the same lm-eval task (greedy,
+--eval-limit val items per capability) for both sides, interpolated to the grid point.
 
 TRL side (as a TRL user runs it): `DistillationConfig(beta=1.0, ...)`, --trl-prompts prompts per step
 (one completion each), one optimizer step per generated batch, lr --trl-lr, bf16 and gradient
 checkpointing off (TRL's defaults turn them on; fp32 is the lab's dtype and checkpointing only costs an
-extra forward), torch threads = the cores. TRL 1.16's `DistillationTrainer` takes one `teacher_model`; per-
+extra forward), --trl-threads torch threads (default 1, its fastest here). TRL 1.16's `DistillationTrainer` takes one `teacher_model`; per-
 prompt teacher routing exists only in the experimental `AsyncDistillationTrainer`, with teachers behind
 servers (`teacher_server_urls`). So with ten teachers TRL runs one `DistillationTrainer` per teacher on its
 capability's prompts, the same student carried from one to the next, in --trl-rounds rounds of ten
@@ -27,7 +29,7 @@ runs (each run --tokens / (10 x rounds) tokens). Trainer construction is not tim
 opd side: `opd.distill.distill` in this process with the settings printed under "opd settings"; the
 ones that differ from TRL's are listed. The quality table compares the two at each grid point, and the
 last line is `ratio: N.NN`, opd / TRL student tokens per second (pooled over seeds; the smallest over
-the teacher counts run), followed by nothing else.
+the teacher counts run). The same settings for opd with one teacher and ten.
 """
 
 from __future__ import annotations
