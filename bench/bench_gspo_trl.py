@@ -10,6 +10,9 @@ clip 3e-4 / 4e-4), each overridable by its flag. opd's embedded engine samples w
 that have stopped or the prompts' padding; see opd.rollout.embedded); `--engine-args ''` is the engine's
 defaults. Its update lays the rows out --layout (default packed: one forward without padding, each prompt
 once; GSPOConfig.layout). Neither changes what is sampled or the loss (same values to float rounding).
+Its minibatches are --minibatch (default groups: whole groups in shuffled order, GSPOConfig.minibatch;
+TRL splits rows), so a minibatch runs each prompt once for all its samples: the same objective split
+another way, whose learning the rewards and val scores below show.
 
 Both trainers start from the same weights and see the same prompts in the same order (the stream
 opd's loop draws from the capability's train split; TRL's dataset shuffling is off), group size,
@@ -64,7 +67,8 @@ def opd_settings(args):
 
     gspo = GSPOConfig(prompts_per_step=args.prompts, group_size=args.group, updates_per_batch=args.updates,
                       lr=args.lr, eps_low=args.eps_low, eps_high=args.eps_high, max_new_tokens=args.max_new_tokens,
-                      drop_zero_variance=False, min_informative=0.0, max_resample=0, layout=args.layout)
+                      drop_zero_variance=False, min_informative=0.0, max_resample=0, layout=args.layout,
+                      minibatch=args.minibatch)
     run = GSPORun(name=args.capability, capability=args.capability, steps=args.steps, seed=args.seed,
                   eval_every=10**6, checkpoint_every=10**6, max_minutes=10**6, engine_args=engine_args(args))
     return gspo, run
@@ -180,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eps-high", type=float, default=None, help="default: the spec's")
     ap.add_argument("--layout", choices=["grouped", "packed"], default="packed",
                     help="opd's update layout (GSPOConfig.layout): the same values and gradients to float rounding")
+    ap.add_argument("--minibatch", choices=["rows", "groups"], default="groups",
+                    help="opd's minibatch split (GSPOConfig.minibatch): 'groups' keeps a prompt's samples together")
     ap.add_argument("--engine-args", default="compact_every=3,prefill=packed",
                     help="opd's embedded engine options (k=v,...; '' for its defaults): same sampling distribution")
     ap.add_argument("--hidden", type=int, default=64, help="width of the built model (no --base)")
@@ -218,7 +224,8 @@ def main(argv=None) -> int:
           f"{args.lr:g}, clip {args.eps_low:g} / {args.eps_high:g} (from {source_settings}); {uptime()}")
     print(f"settings that differ: opd's engine samples with {engine_args(args) or 'its defaults'} (TRL: "
           "transformers generate on left-padded prompts, every row to the longest answer); opd's update layout "
-          f"{args.layout} (TRL: one right-padded row per completion); opd keeps every group "
+          f"{args.layout} (TRL: one right-padded row per completion), minibatches of {args.minibatch} (TRL: rows); "
+          "opd keeps every group "
           "(no zero-variance dropping or resampling, as TRL)")
 
     runs: dict[str, list[dict]] = {"opd": [], "trl": []}

@@ -58,3 +58,30 @@ def test_gspo_step_same_update_either_layout(pico_model):
         weights[layout] = model.state_dict()
     for k, v in weights["grouped"].items():
         torch.testing.assert_close(weights["packed"][k], v, atol=1e-5, rtol=1e-4)
+
+
+def test_group_minibatches_hold_whole_groups(pico_model, monkeypatch):
+    import opd.expert.trainer as trainer
+
+    seen = []
+
+    class Recording(PackedLogits):
+        def __call__(self, model, batch=None, rows=None, n_grad=None):
+            rows_ = list(range(len(self.prompts))) if rows is None else rows.tolist()
+            seen.append([self.prompts[r] for r in rows_[: len(rows_) if n_grad is None else n_grad]])
+            return super().__call__(model, batch, rows, n_grad)
+
+    monkeypatch.setattr(trainer, "PackedLogits", Recording)
+    P, C = _rows(2)
+    groups = {}
+    for p, c in zip(P, C):
+        groups.setdefault(tuple(p), []).append(Rollout("", list(p), c, "", [0.0] * len(c)))
+    kept = [(g, [float(i % 2) for i in range(len(g))]) for g in groups.values()]
+    for minibatch, whole in (("groups", True), ("rows", False)):
+        seen.clear()
+        g = GSPOConfig(group_size=3, updates_per_batch=4, layout="packed", minibatch=minibatch)
+        torch.manual_seed(3)
+        gspo_step(copy.deepcopy(pico_model), torch.optim.AdamW(pico_model.parameters()), None, kept, g, pad_id=0)
+        assert len(seen) == 4  # one call per minibatch (the first also scores the rest without gradient)
+        counts = [sorted({p: mb.count(p) for p in mb}.values()) for mb in seen]
+        assert (counts == [[3]] * 4) == whole  # 4 prompts x 3: each minibatch one whole group, or not

@@ -87,7 +87,11 @@ def gspo_step(model, opt, ref_model, kept, g: GSPOConfig, pad_id: int, backward=
     rewards = torch.tensor([rw for _, rw in kept], dtype=torch.float32, device=device)  # (P, G)
     # shuffled once (on the CPU generator, so a CPU and a GPU run draw the same order): minibatches are
     # consecutive rows
-    order = torch.randperm(rewards.numel()).tolist()
+    if g.minibatch == "groups":  # whole groups in shuffled order: a minibatch holds each of its prompts' rows
+        P, G = rewards.shape
+        order = (torch.randperm(P)[:, None] * G + torch.arange(G)).reshape(-1).tolist()
+    else:
+        order = torch.randperm(rewards.numel()).tolist()
     adv = group_advantages(rewards).reshape(-1)[order]  # (B,)
     rollouts = [r for group, _ in kept for r in group]
     rollouts = [rollouts[i] for i in order]
