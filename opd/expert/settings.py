@@ -34,6 +34,14 @@ class GSPOConfig(BaseModel):
     max_resample: int = Field(2, ge=0, description="extra rollout rounds allowed per step to reach min_informative")
     grad_clip: float = Field(1.0, gt=0)
     recompute_old_logprobs: bool = Field(True, description="old logprobs from the trainer, not the engine (engine mismatch is logged)")
+    layout: Literal["grouped", "packed"] = Field(
+        "grouped", description="how the update lays out its rows: 'grouped' (each prompt's KV cache copied under its "
+        "rows' completions) or 'packed' (one forward without padding, opd.rl.packed_logits): the same values and "
+        "gradients up to float rounding; packed is the faster on CPUs")
+    minibatch: Literal["rows", "groups"] = Field(
+        "rows", description="how a rollout batch splits into updates_per_batch minibatches: 'rows' (rows shuffled "
+        "one by one) or 'groups' (whole groups shuffled, so a minibatch runs each of its prompts once for all its "
+        "samples; with layout packed the faster on CPUs). The same objective, another split of it")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling: weight each sample by "
                                   "min(pi_trainer / pi_engine, tis_cap) (GSPO-token: each token); None = off")
 

@@ -27,6 +27,7 @@ from opd.rl.batch import group_rollouts, grouped_completion_logits, token_entrop
 from opd.rl.checkpoint import Checkpointer, Ranks
 from opd.rl.distributed import load_optimizer_state, optimizer_step, ranks_min
 from opd.rl.gspo_loss import group_advantages, gspo_loss, truncated_is_weights
+from opd.rl.packed_logits import PackedLogits
 from opd.rollout import SamplingParams, get_engine
 from opd.tracking import Tracker
 
@@ -88,12 +89,18 @@ def gspo_step(model, opt, ref_model, kept, g: GSPOConfig, pad_id: int, backward=
     rewards = torch.tensor([rw for _, rw in kept], dtype=torch.float32, device=device)  # (P, G)
     # shuffled once (on the CPU generator, so a CPU and a GPU run draw the same order): minibatches are
     # consecutive rows
-    order = torch.randperm(rewards.numel()).tolist()
+    if g.minibatch == "groups":  # whole groups in shuffled order: a minibatch holds each of its prompts' rows
+        P, G = rewards.shape
+        order = (torch.randperm(P)[:, None] * G + torch.arange(G)).reshape(-1).tolist()
+    else:
+        order = torch.randperm(rewards.numel()).tolist()
     adv = group_advantages(rewards).reshape(-1)[order]  # (B,)
     rollouts = [r for group, _ in kept for r in group]
     rollouts = [rollouts[i] for i in order]
     # A group's samples share their prompt, which each forward below runs once per group.
     batch = group_rollouts([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id, device)
+    logits_of = grouped_completion_logits if g.layout == "grouped" else \
+        PackedLogits([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id)
     cmask, targets = batch.cmask, batch.completion_ids  # (B, Tc)
     engine_lp = torch.tensor([r.logprobs + [0.0] * (cmask.shape[1] - len(r.logprobs)) for r in rollouts],
                              device=device)  # (B, Tc)
@@ -107,14 +114,14 @@ def gspo_step(model, opt, ref_model, kept, g: GSPOConfig, pad_id: int, backward=
         if old_lp is None:
             # The policy has not moved since the rollout, so the first minibatch's pass, run on
             # through the other rows without gradient, is the trainer's recompute of every old logprob.
-            logits = grouped_completion_logits(model, batch, n_grad=len(chunk))  # (B, Tc, V)
+            logits = logits_of(model, batch, n_grad=len(chunk))  # (B, Tc, V)
             new_lp = token_logprobs(logits, targets)
             old_lp = new_lp.detach()
             logits, new_lp = logits[chunk], new_lp[chunk]
             # The trainer's old policy against the engine's: logged, and with tis_cap the TIS weight.
             is_w, engine_stats = truncated_is_weights(old_lp, engine_lp, cmask, g.tis_cap, g.level)
         else:
-            logits = grouped_completion_logits(model, batch, chunk)  # (b, Tc, V)
+            logits = logits_of(model, batch, chunk)  # (b, Tc, V)
             new_lp = token_logprobs(logits, targets[chunk])
         loss, st = gspo_loss(new_lp, old_lp[chunk], adv[chunk], cmask[chunk], g.eps_low, g.eps_high,
                              level=g.level, kl_coef=g.kl_coef,
