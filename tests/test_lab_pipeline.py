@@ -139,10 +139,11 @@ def test_bad_base_override_is_refused_before_any_stage(tmp_path, monkeypatch):
 
 def test_the_shipped_bpe_lab_recipe_builds_a_bpe_base():
     from opd.lab.base import load_base_spec
-    from opd.merge import load_recipe
+    from opd.lab.recipe import load_lab_recipe
 
-    recipe = load_recipe("merge_recipes/lab_bpe.yaml")
-    assert recipe.base == "runs/base-bpe" and load_base_spec(**recipe.train.base).tokenizer == "bpe"
+    lab = load_lab_recipe("merge_recipes/lab_bpe.yaml")
+    recipe = lab.merge
+    assert recipe.base == "runs/base-bpe" and load_base_spec(**lab.train.base).tokenizer == "bpe"
     assert all(e.startswith("experts/bpe/") for e in recipe.experts)  # never the char lab's experts
 
 

@@ -151,10 +151,11 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
     if unknown:
         raise OpdError(f"--stages: unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
     from opd.lab.base import load_base_spec
-    from opd.merge import load_recipe
+    from opd.lab.recipe import load_lab_recipe
 
-    recipe = load_recipe(recipe_path)  # bad input fails before hours of base training
-    base_overrides = {**recipe.train.base, **({"seed": seed} if seed is not None else {})}
+    lab = load_lab_recipe(recipe_path)  # bad input fails before hours of base training
+    recipe, train = lab.merge, lab.train
+    base_overrides = {**train.base, **({"seed": seed} if seed is not None else {})}
     try:  # the base stage's spec, checked now for the same reason
         load_base_spec(**base_overrides)
     except OpdError as e:
@@ -187,11 +188,11 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         outs = [out or EXPERTS_DIR / name for name, (_, out) in specs.items()]
         t, before = time.time(), manifest_stamps(outs)
         # every expert starts from the recipe's base (a BPE lab's runs/base-bpe) unless the overrides say otherwise
-        overrides = {"base": recipe.base, **{k: str(v) for k, v in recipe.train.overrides.items()}}
+        overrides = {"base": recipe.base, **{k: str(v) for k, v in train.overrides.items()}}
         if seed is not None:
             overrides["seed"] = str(seed)
-        jobs = jobs or recipe.train.jobs
-        cluster = recipe.train.cluster
+        jobs = jobs or train.jobs
+        cluster = train.cluster
         if ray is not None:
             cluster = cluster.model_copy(update={"engine": "ray", "address": ray})
         if cluster.engine == "ray":  # one task per expert, with the resources its spec asks for

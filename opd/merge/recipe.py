@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -12,13 +12,11 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
 )
 
-from opd.cluster import ClusterSettings
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.distill.config import VERIFIER_HELP, DistillConfig, Verifier, one_verifier
@@ -100,40 +98,6 @@ class Objectives(BaseModel):
         return self
 
 
-class LabTraining(BaseModel):
-    """How `scripts/lab.py` trains a recipe's experts; the merge search itself ignores it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    overrides: dict[str, Scalar] = Field(default_factory=dict, description="dotted expert-spec overrides "
-                                         "applied to every experts/<name>.yaml, e.g. {max_minutes: 3}; list "
-                                         "the experts as paths (experts/lab10/add) so that such experts get "
-                                         "their own directory and never replace the default versions")
-    jobs: int = Field(1, gt=0, description="experts trained at once, one process each (--jobs overrides)")
-    cluster: ClusterSettings = Field(default_factory=ClusterSettings, description="where the experts train: "
-                                     "{engine: local} (default, `jobs` at once) or {engine: ray, address: auto | "
-                                     "ray://host:port | host:port} (one Ray task per expert; --ray overrides)")
-    base: dict[str, Scalar] = Field(default_factory=dict, description="overrides of the lab's base spec "
-                                    "(opd/lab/base.yaml) for the lab's base stage, which builds the recipe's "
-                                    "`base` directory, e.g. {tokenizer: bpe} for a BPE lab; checked against "
-                                    "the base spec when scripts/lab.py loads the recipe")
-
-    @field_validator("overrides")
-    @classmethod
-    def _valid_for_specs(cls, overrides):
-        from opd.config import apply_overrides
-        from opd.expert.spec import ExpertSpec
-
-        try:
-            ExpertSpec.model_validate(apply_overrides({"capability": "count"}, dict(overrides)))
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ValueError(f"{'.'.join(map(str, err['loc']))!r}: {err['msg']} (an expert spec's fields "
-                             "are in opd/expert/spec.py)") from None
-        except OpdError as e:
-            raise ValueError(str(e)) from None
-        return overrides
-
-
 class Scoring(BaseModel):
     """How candidates are scored: in process (hf) or by lm-eval's own vLLM / SGLang model types on a
     candidate written to disk (GPU only; opd.evaluation.backends)."""
@@ -181,7 +145,9 @@ class MergeRecipe(BaseModel):
                                "(gspo, reward_weight > 0) is refused with 'none'; the same setting as "
                                "distill.verifier")
     budget: Budget = Field(default_factory=Budget)
-    train: LabTraining = Field(default_factory=LabTraining, description="how scripts/lab.py trains the experts")
+    train: dict[str, Any] = Field(default_factory=dict, description="the lab's section: how `opd lab` trains the "
+                                  "experts ([LabTraining](#labtraining), checked by opd.lab.recipe when the lab "
+                                  "loads the file); the merge search keeps it as written and does not read it")
     objectives: Objectives = Field(default_factory=Objectives)
     sampler: Literal["tpe", "nsga2", "random"] = Field("tpe", description="Optuna sampler")
     seed: int = Field(0, description="sampler seed; trial n's randomised merges use seed + n")
