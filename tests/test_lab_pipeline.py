@@ -92,8 +92,8 @@ def test_experts_stage_in_parallel_passes_the_same_to_each_process(tmp_path, mon
     run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"])  # jobs from the recipe
     assert seen["jobs"] == 2
     count, mx = seen["cmds"]["count"], seen["cmds"]["max"]
-    assert count[2].endswith("experts/count.yaml")
-    assert count[3:] == ["base=runs/base", "max_minutes=0.5", "gspo.lr=0.001"]  # the recipe's base first
+    assert count[1:3] == ["-m", "opd.expert"] and count[3].endswith("experts/count.yaml")
+    assert count[4:] == ["base=runs/base", "max_minutes=0.5", "gspo.lr=0.001"]  # the recipe's base first
     assert mx[-2:] == ["--out", str(tmp_path / "lab10" / "max")]
     run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"], jobs=3)  # --jobs wins
     assert seen["jobs"] == 3

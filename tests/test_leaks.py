@@ -85,3 +85,41 @@ def test_a_lab_recipe_contains_the_merge_recipe_and_checks_its_train_section(tmp
     path.write_text("experts: [count]\nstrategies: {linear: {weight: 1.0}}\nbudgt: {}\n")
     with pytest.raises(OpdError, match=r"r.yaml: field 'budgt': unknown field"):
         load_lab_recipe(path)
+
+
+# --- no module finds a script of the checkout by path -----------------------------------------------
+
+
+def script_paths(path: Path) -> list[str]:
+    """'line: text' for each string in a file's code that is a path into scripts/: one with no space whose
+    first component is `scripts` ("scripts", "scripts/train_expert.py"). Prose that names a script for
+    the user ("build it with scripts/build_base.py") has spaces and passes."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and not any(c.isspace() for c in node.value):
+            first = node.value.replace("\\", "/").lstrip("./").split("/")[0]
+            if first == "scripts":
+                out.append((node.lineno, f"{node.lineno}: {node.value!r}"))
+    return [text for _, text in sorted(out)]
+
+
+def test_no_opd_module_finds_a_script_by_path():
+    bad = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted(OPD.rglob("*.py")) for hit in script_paths(p)]
+    assert not bad, ("opd finds scripts/ by path, which breaks outside a checkout: run `python -m <module>` "
+                     "of the package instead:\n  " + "\n  ".join(bad))
+
+
+def test_the_script_path_check_sees_the_old_form(tmp_path):
+    old = tmp_path / "m.py"
+    old.write_text('from pathlib import Path\n"""Run scripts/train_expert.py."""\n'
+                   'script = Path(__file__).resolve().parents[2] / "scripts" / "train_expert.py"\n'
+                   'other = "./scripts/lab.py"\nmsg = "train it with scripts/train_expert.py"\n')
+    assert script_paths(old) == ["3: 'scripts'", "4: './scripts/lab.py'"]
+
+
+def test_the_experts_module_runs_as_python_dash_m(tmp_path):
+    # the lab's expert processes run it so; a bad spec is refused in one line, exit 2, from any directory
+    spec = tmp_path / "count.yaml"
+    spec.write_text("capability: count\ngspo: {lr: -1}\n")
+    r = subprocess.run([sys.executable, "-m", "opd.expert", str(spec)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "count.yaml: field 'gspo.lr'" in r.stderr and "Traceback" not in r.stderr

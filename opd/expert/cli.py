@@ -1,4 +1,5 @@
-"""`opd train-expert` / `python scripts/train_expert.py`: train one capability expert with GSPO."""
+"""`opd train-expert` / `python -m opd.expert` / `python scripts/train_expert.py`: train one capability
+expert with GSPO."""
 
 from __future__ import annotations
 

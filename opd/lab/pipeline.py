@@ -120,8 +120,8 @@ def expert_jobs(recipe) -> dict[str, tuple[Path, Path | None]]:
 
 
 def expert_command(spec: Path, out: Path | None, overrides: dict) -> list[str]:
-    script = Path(__file__).resolve().parents[2] / "scripts" / "train_expert.py"
-    return [sys.executable, str(script), str(spec), *(f"{k}={v}" for k, v in overrides.items()),
+    """One expert's training as a command line: the package's module, found wherever opd is installed."""
+    return [sys.executable, "-m", "opd.expert", str(spec), *(f"{k}={v}" for k, v in overrides.items()),
             *(["--out", str(out)] if out else [])]
 
 
