@@ -123,3 +123,118 @@ def test_the_experts_module_runs_as_python_dash_m(tmp_path):
     spec.write_text("capability: count\ngspo: {lr: -1}\n")
     r = subprocess.run([sys.executable, "-m", "opd.expert", str(spec)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and "count.yaml: field 'gspo.lr'" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- no module-level import cycles ------------------------------------------------------------------
+
+MODULES = {_module_name(p): p for p in sorted(OPD.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, opd module) for the imports that run when the file is imported: its top-level statements,
+    those in top-level if/try/with blocks and class bodies, not function bodies or `if TYPE_CHECKING:`.
+    `from opd.weights import merge` names the module opd.weights.merge; `from opd.x import name` opd.x."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.extend((node.lineno, a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                out.extend((node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
+                           for a in node.names)
+            elif isinstance(node, ast.If):
+                if not _is_type_checking(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try | ast.TryStar):
+                for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                    visit(block)
+            elif isinstance(node, ast.With | ast.ClassDef):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return [(line, m) for line, m in out if m in MODULES]
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The cycles of a directed graph, one per strongly connected component of more than one node (or a
+    node importing itself), each as a closed path through it (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph.get(root, {})))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph.get(child, {}))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        comp.append(top)
+                        if top == node:
+                            break
+                    if len(comp) > 1 or node in graph.get(node, {}):
+                        components.append(comp)
+    cycles = []
+    for comp in components:  # one closed path through the component, found by a breadth-first search
+        members, start = set(comp), sorted(comp)[0]
+        prev: dict[str, str] = {}
+        queue = [start]
+        while queue and start not in prev:
+            node = queue.pop(0)
+            for nxt in graph.get(node, {}):
+                if nxt in members and nxt not in prev:
+                    prev[nxt] = node
+                    queue.append(nxt)
+        path, node = [start], prev[start]
+        while node != start:
+            path.append(node)
+            node = prev[node]
+        cycles.append([start, *reversed(path[1:]), start])
+    return cycles
+
+
+def test_no_module_level_import_cycles():
+    graph = {m: {t: line for line, t in reversed(module_level_imports(p)) if t != m} for m, p in MODULES.items()}
+    found = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:], strict=False)) + f" -> {c[-1]}"
+             for c in import_cycles(graph)]
+    assert not found, ("module-level import cycles (move the shared piece down a module, or import inside the "
+                       "function with a `# lazy: cycle` reason):\n  " + "\n  ".join(found))
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}, "e": {"e": 1}}
+    assert sorted(map(tuple, import_cycles(graph))) == [("a", "b", "c", "a"), ("e", "e")]
+    assert import_cycles({"a": {"b": 1}, "b": {}}) == []

@@ -45,6 +45,7 @@ from pydantic import Field
 
 from opd.errors import OpdError
 from opd.weights import regmean, wudi
+from opd.weights.state import merge_keys
 
 Tensor = torch.Tensor
 STEPS, LR, BATCH, SAMPLES, DATA, SEED = 300, 1e-2, 8, 128, 1.0, 0
@@ -186,7 +187,6 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
 
     from opd.io import state_dict_hash
     from opd.model_inputs import expert_record
-    from opd.weights.merge import merge_keys
 
     if base is None:
         raise OpdError("adamerging needs the base model's directory to fit its coefficients")

@@ -30,6 +30,7 @@ from opd.weights import adamerging, regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
 from opd.weights.sort_cache import CACHE as SORT_CACHE
 from opd.weights.sort_cache import SortedMagnitudes, cached_magnitude
+from opd.weights.state import merge_keys as merge_keys  # re-exported: its callers import it here
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
@@ -420,13 +421,3 @@ def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model:
     (input id -> its parameters) carries the importances RegMean++'s statistics depend on."""
     if method in PREPARE:
         PREPARE[method](paths, shared or {}, per_model or {}, base)
-
-
-def merge_keys(sd: dict) -> dict:
-    """Drop tied aliases (lm_head sharing the embedding): mergekit merges each stored tensor once."""
-    seen, out = set(), {}
-    for k, t in sd.items():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            out[k] = t
-    return out
