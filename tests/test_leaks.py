@@ -2,11 +2,16 @@
 
 - the merge search knows nothing of the lab (the lab's recipe contains a merge recipe, not the reverse);
 - no opd module finds a script of the checkout by path (entry points are `python -m` modules);
+- no module-level import cycles among opd's modules;
+- an import inside a function says why it is lazy (`# lazy: <reason>`: a heavy or optional dependency, or
+  a cycle), so that the dependency graph stays readable at the top of each file
+  (scripts/count_lazy_imports.py counts them).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -135,11 +140,12 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def module_level_imports(path: Path) -> list[tuple[int, str]]:
+def module_level_imports(path: Path, module: str | None = None) -> list[tuple[int, str]]:
     """(line, opd module) for the imports that run when the file is imported: its top-level statements,
     those in top-level if/try/with blocks and class bodies, not function bodies or `if TYPE_CHECKING:`.
     `from opd.weights import merge` names the module opd.weights.merge; `from opd.x import name` opd.x."""
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    module = module or _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[int, str]] = []
 
     def visit(body: list[ast.stmt]) -> None:
@@ -226,8 +232,22 @@ def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return cycles
 
 
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {module it imports at module level: line}. Importing opd.merge.search from outside
+    opd.merge runs opd/merge/__init__.py first: that package is an edge too."""
+    graph: dict[str, dict[str, int]] = {}
+    for m, p in MODULES.items():
+        graph[m] = {}
+        for line, t in reversed(module_level_imports(p)):
+            parts = t.split(".")
+            for up in [".".join(parts[:k]) for k in range(1, len(parts))] + [t]:
+                if up in MODULES and up != m and not m.startswith(up + "."):
+                    graph[m][up] = line
+    return graph
+
+
 def test_no_module_level_import_cycles():
-    graph = {m: {t: line for line, t in reversed(module_level_imports(p)) if t != m} for m, p in MODULES.items()}
+    graph = import_graph()
     found = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:], strict=False)) + f" -> {c[-1]}"
              for c in import_cycles(graph)]
     assert not found, ("module-level import cycles (move the shared piece down a module, or import inside the "
@@ -238,3 +258,51 @@ def test_the_cycle_finder_finds_cycles():
     graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}, "e": {"e": 1}}
     assert sorted(map(tuple, import_cycles(graph))) == [("a", "b", "c", "a"), ("e", "e")]
     assert import_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+# --- function-level imports say why they are lazy --------------------------------------------------
+
+# Files that other branches rework at the same time: their imports get their reasons (or move up) when
+# those branches land. The lead empties this list after merging; do not add to it.
+TODO_OTHER_HELPERS = (
+    "opd/distill/", "opd/rl/", "opd/expert/trainer.py", "opd/io.py", "opd/merge/search.py", "opd/merge/report.py",
+    "opd/display.py", "opd/merge/strategies/distill.py", "opd/weights/lazy.py", "opd/weights/regmean.py",
+    "opd/weights/layers.py",
+)
+
+
+def _count_lazy():
+    spec = importlib.util.spec_from_file_location("count_lazy_imports", ROOT / "scripts" / "count_lazy_imports.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_function_level_import_says_why_it_is_lazy():
+    found = _count_lazy().collect([OPD])
+    bad = [f"{i.path.relative_to(ROOT)}:{i.line}: {i.text}" for i in found if i.reason is None
+           and not str(i.path.relative_to(ROOT)).startswith(TODO_OTHER_HELPERS)]
+    assert not bad, ("imports inside functions without a `# lazy: <reason>` comment (on the line or the one "
+                     "above): move them to the top of the file, or say why they must wait (a heavy or optional "
+                     "dependency that an importer of this module must not pay for, or an import cycle):\n  "
+                     + "\n  ".join(bad))
+    assert all(i.reason for i in found if i.reason is not None), "a `# lazy:` comment with no reason"
+
+
+def test_the_lazy_import_count_reads_reasons(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text("import os\n\n\ndef f():\n    import json\n    # lazy: torch is slow to import\n"
+                   "    import torch\n    from opd import io  # lazy: cycle\n\n    class A:\n"
+                   "        def g(self):\n            from . import x\n")
+    found = _count_lazy().collect([mod])
+    assert [(i.line, i.kind, i.reason) for i in found] == [
+        (5, "stdlib", None), (7, "third-party", "torch is slow to import"), (8, "own", "cycle"), (12, "own", None)]
+
+
+def test_module_level_imports_skip_function_bodies_and_type_checking(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text("from typing import TYPE_CHECKING\nimport opd.io\ntry:\n    from opd.errors import OpdError\n"
+                   "except ImportError:\n    pass\nif TYPE_CHECKING:\n    import opd.merge\n\n\n"
+                   "def f():\n    import opd.config\n")
+    assert [m for _, m in module_level_imports(mod, "opd.x.m")] == ["opd.io", "opd.errors"]

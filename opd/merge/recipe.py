@@ -16,14 +16,20 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from opd.capabilities import get_capability
+from opd.capabilities.lm_eval_task import resolve_tasks
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.distill.config import VERIFIER_HELP, DistillConfig, Verifier, one_verifier
 from opd.errors import OpdError
+from opd.evaluation.backends import require_backend
+from opd.io import state_dict_hash
 from opd.merge.strategies import MergeInputs, get_strategy
-from opd.model_inputs import ExpertEntry, ExpertInput
+from opd.model_inputs import ExpertEntry, ExpertInput, cached_hash, open_experts, read_header, weights_hash
 from opd.paths import NAME_PATTERN, redact_url, require_model_dir
+from opd.weights.lazy import LazyStateDict
 from opd.weights.merge import merge_keys
 
 Scalar = bool | int | float | str
@@ -115,8 +121,6 @@ class Scoring(BaseModel):
 
     @model_validator(mode="after")
     def _can_run(self):
-        from opd.evaluation.backends import require_backend
-
         require_backend(self.backend)
         return self
 
@@ -191,8 +195,6 @@ class MergeRecipe(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        from opd.capabilities import get_capability
-
         if self.split != "val":
             raise ValueError("the search scores on 'val' only: tuning on the test split would leak it "
                              "into the scores the report gives")
@@ -202,8 +204,6 @@ class MergeRecipe(BaseModel):
             raise ValueError("include_path is set but no `tasks` name a task from it")
         names = self.tasks or self.capabilities or []
         if names:
-            from opd.capabilities.lm_eval_task import resolve_tasks
-
             include = str(Path(self.include_path).resolve()) if self.include_path else None
             resolve_tasks(names, include)
         for c in names:
@@ -283,11 +283,6 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     """Load base and experts; refuse incompatible ones. Every expert is checked against the base
     (architecture, tensor names and shapes, tokenizer content) before any weights load
     (opd.model_inputs); an opd expert's manifest must name this base's hash and its weights' hash."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opd.io import state_dict_hash
-    from opd.model_inputs import cached_hash, open_experts, read_header, weights_hash
-
     # absolute: mergekit reads a relative path that is not a directory as a hub model id
     base_path = require_model_dir(recipe.base, "base", "build it with scripts/build_base.py or set base= to a "
                                   "model directory").resolve()
@@ -321,13 +316,9 @@ def _held(path: Path, names: list[str], copy_of: dict | None = None):
     """How the search holds a model's weights: a lazy state dict over its safetensors (a tensor read on
     access, opd.weights.lazy) with `names` in order; a model stored otherwise (pytorch .bin) is loaded
     and kept in memory (`copy_of`: a live model's state dict, copied instead of loaded)."""
-    from opd.weights.lazy import LazyStateDict
-
     try:
         return LazyStateDict(path, names=names)
     except (ValueError, KeyError, RuntimeError, FileNotFoundError):
         if copy_of is not None:
             return {k: v.detach().clone() for k, v in copy_of.items()}
-        from transformers import AutoModelForCausalLM
-
         return merge_keys(AutoModelForCausalLM.from_pretrained(path, dtype="float32").state_dict())
