@@ -5,7 +5,7 @@ do not say why they are lazy.
 
 A function-level import should be there for a reason (a heavy or optional dependency that a light
 entry point must not load, or an import cycle): it says so in a `# lazy: <reason>` comment on its
-line or the line above. tests/test_leaks.py holds opd/ to that.
+line, or on a comment line right above it. tests/test_leaks.py holds opd/ to that.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def lazy_imports(path: Path) -> list[LazyImport]:
                 module = child.names[0].name if isinstance(child, ast.Import) else ("" if child.level else child.module)
                 span = lines[child.lineno - 1: child.end_lineno]
                 above = lines[child.lineno - 2] if child.lineno > 1 else ""
+                above = above if above.lstrip().startswith("#") else ""  # a comment line, not another import's
                 reason = next((ln.split(REASON, 1)[1].strip() for ln in [*span, above] if REASON in ln), None)
                 out.append(LazyImport(path, child.lineno, child.end_lineno, (module or "").split(".")[0],
                                       " ".join(s.strip() for s in span), reason))
