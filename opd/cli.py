@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from opd import __version__
+
 # In pipeline order: name -> (module:function, one line of help).
 COMMANDS = {
     "lab": ("opd.lab.cli:lab_main", "the tiny lab end to end: base, experts, merge search and OPD, report"),
@@ -32,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), end="")
         return 0
     if argv[0] == "--version":
-        from opd import __version__
-
         print(f"opd {__version__}")
         return 0
     name, rest = argv[0], argv[1:]

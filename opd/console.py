@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import warnings
+from functools import partialmethod
 
 # Set by a verbose entry point, so the processes it starts (the lab's expert runs) are verbose too.
 VERBOSE_ENV = "OPD_VERBOSE"
@@ -54,9 +55,7 @@ def _tqdm(verbose: bool) -> None:
     """tqdm reads no switch at run time (TQDM_DISABLE only when it is imported), so its constructor
     gets disable=True as a default; a caller passing disable=False still shows its bar."""
     global _TQDM_INIT
-    from functools import partialmethod
-
-    import tqdm
+    import tqdm  # lazy: every command's --help runs this module; tqdm would add ~0.1 s to it
 
     if verbose and _TQDM_INIT is not None:
         tqdm.tqdm.__init__, _TQDM_INIT = _TQDM_INIT, None
@@ -69,7 +68,7 @@ def _transformers(verbose: bool) -> None:
     """Once transformers is imported its logging module is told directly; before, its environment
     switches are enough (importing it here would cost a second on every command, a bad input too)."""
     if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: only once loaded (see above)
 
         if verbose:
             hf_logging.set_verbosity_warning()
@@ -87,6 +86,6 @@ def _transformers(verbose: bool) -> None:
                 os.environ[key] = value
                 _ENV_SET.append(key)
     if "huggingface_hub" in sys.modules:  # it read its switch on import; transformers will ask it
-        from huggingface_hub import utils as hub
+        from huggingface_hub import utils as hub  # lazy: only once loaded, as above
 
         (hub.enable_progress_bars if verbose else hub.disable_progress_bars)()

@@ -16,10 +16,11 @@ class OpdError(Exception):
     """A problem the user can fix (bad input, missing file). Printed as one line, exit 2."""
 
 
-def format_validation_error(source: str, err: pydantic.ValidationError) -> str:
-    """One line naming the file, the first bad field and what is allowed."""
+def format_validation_error(source: str, err: pydantic.ValidationError, prefix: str = "") -> str:
+    """One line naming the file, the first bad field and what is allowed (`prefix`: the section of the
+    file that was validated, put in front of the field's name)."""
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    loc = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(first["loc"])) or "<root>"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown field (remove it or check its spelling)"

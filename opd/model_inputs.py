@@ -16,6 +16,8 @@ which the merge strategies and the weight-space methods read through `expert_rec
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -23,11 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import safetensors
+import torch
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from opd.errors import OpdError
-from opd.io import atomic_write_json
-from opd.manifest import EXPERTS_DIR, ExpertManifest, load_manifest
+from opd.io import atomic_write_json, tokenizer_hash
+from opd.manifest import EXPERTS_DIR, ExpertManifest, load_manifest, resolve_expert
 from opd.paths import NAME_PATTERN
 
 # Files that hold weights: never read to key the tokenizer's cache entry.
@@ -98,8 +102,7 @@ class OpenedExpert:
 def read_header(path: str | os.PathLike, label: str) -> ModelHeader:
     """config.json and the safetensors headers (one file or a sharded index) of a model directory;
     OpdError naming `label` and the directory when it is not one."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers is slow to import
 
     p = Path(path)
     cfg_file = p / "config.json"
@@ -131,7 +134,7 @@ def read_header(path: str | os.PathLike, label: str) -> ModelHeader:
         try:
             # safe_open reads the header only; get_slice gives shape and dtype without the data
             # (safetensors' Python API, safetensors/__init__.pyi)
-            with safe_open(str(f), "pt") as h:
+            with safetensors.safe_open(str(f), "pt") as h:
                 for k in h.keys():
                     s = h.get_slice(k)
                     tensors[k] = (tuple(s.get_shape()), s.get_dtype())
@@ -144,7 +147,7 @@ def read_header(path: str | os.PathLike, label: str) -> ModelHeader:
 def tied_aliases(header: ModelHeader) -> dict[str, str]:
     """Tied head name -> the embedding it aliases, as the model class declares it (transformers 5's
     `_tied_weights_keys` is that dict, e.g. {'lm_head.weight': 'model.embed_tokens.weight'})."""
-    import transformers
+    import transformers  # lazy: transformers is slow to import
 
     cls = next((getattr(transformers, a, None) for a in header.architectures if hasattr(transformers, a)), None)
     keys = getattr(cls, "_tied_weights_keys", None)
@@ -194,8 +197,6 @@ def _stat_key(files) -> list:
 
 @contextlib.contextmanager
 def _locked():
-    import fcntl
-
     path = _cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -239,16 +240,11 @@ def weights_hash(header: ModelHeader) -> str:
 
 def stream_weights_hash(header: ModelHeader) -> str:
     """`weights_hash` without the cache: one tensor in memory at a time (float32, as loaded)."""
-    import hashlib
-
-    import torch
-    from safetensors import safe_open
-
     where = {}  # state-dict name -> (file, stored name)
     handles = {}
     with contextlib.ExitStack() as stack:
         for f in header.files:
-            h = handles[f] = stack.enter_context(safe_open(str(f), "pt"))
+            h = handles[f] = stack.enter_context(safetensors.safe_open(str(f), "pt"))
             where.update({k: (f, k) for k in h.keys()})
         if header.tied:
             for alias, src in tied_aliases(header).items():
@@ -272,9 +268,7 @@ def tokenizer_content_hash(directory: Path, label: str) -> dict:
     files = [f for f in Path(directory).iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)]
 
     def compute() -> str:
-        from transformers import AutoTokenizer
-
-        from opd.io import tokenizer_hash
+        from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
         try:
             tok = AutoTokenizer.from_pretrained(directory)
@@ -296,6 +290,7 @@ def hub_id(directory: str | os.PathLike, declared: str | None = None) -> str | N
     """The Hub repo id a local model directory came from, or None: `declared` (a recipe field), a
     directory inside the HF hub cache (models--org--name/snapshots/<sha>), or config.json's
     `_name_or_path` when it names a repo id and not a local path. Offline: nothing is looked up."""
+    # lazy: huggingface_hub is slow to import
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if declared:
@@ -322,7 +317,7 @@ def write_model_card(out: str | os.PathLike, body: str, inputs: dict, tags: list
     """README.md of a model directory, written with huggingface_hub's ModelCard. `base_model` lists
     Hub ids only (inputs' `hub_id`: the Hub's model-card spec reserves it for them, and the Hub links
     the model tree through it); local paths stay in the body and the manifest."""
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCard, ModelCardData  # lazy: huggingface_hub is slow to import
 
     hub = list(dict.fromkeys(i["hub_id"] for i in [inputs["base"], *inputs.get("experts", {}).values(),
                                                     *inputs.get("teachers", {}).values()] if i.get("hub_id")))
@@ -352,8 +347,6 @@ def entry_name(entry: ExpertInput) -> str:
 
 
 def _resolve(entry: ExpertInput, experts_dir: Path) -> tuple[Path, ExpertEntry | None]:
-    from opd.manifest import resolve_expert
-
     if isinstance(entry, ExpertEntry):
         return Path(entry.path), entry
     p = Path(entry)

@@ -7,6 +7,7 @@ A name (expert, recipe, run) is one path component. An output directory lies und
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -35,8 +36,6 @@ def allowed_roots(extra: tuple[str | os.PathLike, ...] = ()) -> list[Path]:
 
 
 def manifest_kind(d: Path) -> str | None:
-    import json
-
     try:
         return json.loads((d / "manifest.json").read_text()).get("kind")
     except (OSError, ValueError, AttributeError):
@@ -105,9 +104,9 @@ def require_same_tokenizer(reference: tuple[str, object], others: dict[str, str 
     """Refuse, in one line and before any model loads, a model directory whose tokenizer differs from
     `reference` = (label, tokenizer): per-token log-probs and KL compare ids, so one vocabulary only.
     `others`: label -> model directory."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
-    from opd.io import tokenizer_hash
+    from opd.io import tokenizer_hash  # lazy: opd.io loads torch and numpy
 
     label, tok = reference
     want = tokenizer_hash(tok)

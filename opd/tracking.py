@@ -66,7 +66,7 @@ class TensorBoardTracker(Tracker):
 
     def log(self, record: Mapping, step: int) -> None:
         if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: torch is slow to import
 
             # Opened at the first step logged: a run resumed from its checkpoint logs again from
             # there, and purge_step hides what the killed run had logged from that step on.
@@ -83,7 +83,7 @@ class WandbTracker(Tracker):
     package = "wandb"
 
     def __init__(self, log_dir: Path, name: str = "", config: dict | None = None):
-        import wandb
+        import wandb  # lazy: wandb is an optional dependency
 
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +105,7 @@ class TrackioTracker(Tracker):
     package = "trackio"
 
     def __init__(self, log_dir: Path, name: str = "", config: dict | None = None):
-        import trackio
+        import trackio  # lazy: trackio is an optional dependency
 
         self.trackio = trackio
         trackio.init(project=PROJECT, name=name or None, config=config, resume="allow")

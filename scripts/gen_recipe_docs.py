@@ -32,6 +32,7 @@ def _roots():
     from opd.distill.config import DistillRun
     from opd.expert.spec import ExpertSpec
     from opd.lab.base import BaseSpec
+    from opd.lab.recipe import LabTraining
     from opd.merge.recipe import MergeRecipe
 
     return [
@@ -39,6 +40,8 @@ def _roots():
         ("Expert spec", "`experts/<capability>.yaml`, which `opd train-expert` trains", ExpertSpec),
         ("Distillation run", "`merge_recipes/distill/*.yaml`, which `opd distill` runs", DistillRun),
         ("Merge recipe", "`merge_recipes/*.yaml`, which `opd merge` and `opd lab` run", MergeRecipe),
+        ("Lab training", "`merge_recipes/*.yaml` again, their `train:` section: `opd lab` reads it, `opd merge` ignores it",
+         LabTraining),
     ]
 
 

@@ -92,8 +92,8 @@ def test_experts_stage_in_parallel_passes_the_same_to_each_process(tmp_path, mon
     run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"])  # jobs from the recipe
     assert seen["jobs"] == 2
     count, mx = seen["cmds"]["count"], seen["cmds"]["max"]
-    assert count[2].endswith("experts/count.yaml")
-    assert count[3:] == ["base=runs/base", "max_minutes=0.5", "gspo.lr=0.001"]  # the recipe's base first
+    assert count[1:3] == ["-m", "opd.expert"] and count[3].endswith("experts/count.yaml")
+    assert count[4:] == ["base=runs/base", "max_minutes=0.5", "gspo.lr=0.001"]  # the recipe's base first
     assert mx[-2:] == ["--out", str(tmp_path / "lab10" / "max")]
     run_lab(str(_recipe(tmp_path, jobs=2)), ["experts"], jobs=3)  # --jobs wins
     assert seen["jobs"] == 3
@@ -139,10 +139,11 @@ def test_bad_base_override_is_refused_before_any_stage(tmp_path, monkeypatch):
 
 def test_the_shipped_bpe_lab_recipe_builds_a_bpe_base():
     from opd.lab.base import load_base_spec
-    from opd.merge import load_recipe
+    from opd.lab.recipe import load_lab_recipe
 
-    recipe = load_recipe("merge_recipes/lab_bpe.yaml")
-    assert recipe.base == "runs/base-bpe" and load_base_spec(**recipe.train.base).tokenizer == "bpe"
+    lab = load_lab_recipe("merge_recipes/lab_bpe.yaml")
+    recipe = lab.merge
+    assert recipe.base == "runs/base-bpe" and load_base_spec(**lab.train.base).tokenizer == "bpe"
     assert all(e.startswith("experts/bpe/") for e in recipe.experts)  # never the char lab's experts
 
 

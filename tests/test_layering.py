@@ -36,6 +36,8 @@ FLOORS = {
     # 5 entry points: argument parsing, wiring
     "opd.cli": 5, "opd.expert.cli": 5, "opd.lab.cli": 5, "opd.lab.pipeline": 5, "opd.merge.__main__": 5,
     "opd.distill.__main__": 5,
+    "opd.lab.recipe": 5,  # what `opd lab` reads: a merge recipe plus the lab's training section
+    "opd.expert.__main__": 5,
 }
 NAMES = {0: "ground", 1: "services", 2: "core", 3: "loops and strategies", 4: "consolidation", 5: "entry points"}
 # Loops take settings objects, not specs: these modules must not import those.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from opd.capabilities.base import EVAL_SPLITS, SPLIT_BUCKETS, Capability, Item, exact_reward, prompt_texts
 from opd.capabilities.builtin import BUILTIN
 from opd.capabilities.preference import LEARNED_REWARD
+from opd.capabilities.reasoning_gym import reasoning_gym_capability
 from opd.errors import OpdError
 
 _REGISTRY: dict[str, Capability] = {}
@@ -19,8 +20,6 @@ def register(cap: Capability, *, overwrite: bool = False) -> Capability:
 
 def get_capability(name: str) -> Capability:
     if name not in _REGISTRY and name.startswith("rg:"):
-        from opd.capabilities.reasoning_gym import reasoning_gym_capability
-
         return register(reasoning_gym_capability(name[3:]))
     try:
         return _REGISTRY[name]

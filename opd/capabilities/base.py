@@ -38,6 +38,7 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
 
 def prompt_texts(items, tokenizer) -> list[str]:
     """The texts an engine samples `items` from: each capability renders its own prompts."""
+    # lazy: cycle: opd.capabilities imports opd.capabilities.base
     from opd.capabilities import get_capability
 
     return [get_capability(it.capability).render(it.prompt, tokenizer) for it in items]

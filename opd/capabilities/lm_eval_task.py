@@ -25,6 +25,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opd.capabilities import _REGISTRY, get_capability, register
 from opd.capabilities.base import Capability, Item, chat_prompt
 from opd.errors import OpdError
 
@@ -79,6 +80,7 @@ class TaskInfo:
 
 def _metric(name: str, cfg: dict, where: str) -> tuple[str, bool | None]:
     """The task's primary metric and whether higher is better (None: lm-eval does not know)."""
+    # lazy: lm_eval is slow to import
     from lm_eval.api.registry import DEFAULT_METRIC_REGISTRY, is_higher_better
 
     output_type = cfg.get("output_type", "generate_until")
@@ -107,7 +109,7 @@ def _metric(name: str, cfg: dict, where: str) -> tuple[str, bool | None]:
 
 def task_info(name: str, include_path: str | None, manager) -> TaskInfo:
     """Check `name` in a TaskManager's index: a single task with a usable, higher-is-better metric."""
-    from lm_eval.tasks._index import Kind
+    from lm_eval.tasks._index import Kind  # lazy: lm_eval is slow to import
 
     entry = manager.task_index.get(name)
     where = str(entry.yaml_path) if entry and entry.yaml_path else "lm-eval"
@@ -142,7 +144,7 @@ def task_info(name: str, include_path: str | None, manager) -> TaskInfo:
 def task_manager(include_path: str | None, include_defaults: bool):
     """lm-eval's TaskManager, built once per process for each (include_path, include_defaults):
     indexing the stock tasks takes 6-8 s."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lazy: lm_eval is slow to import
 
     for n in ("lm-eval", "lm_eval"):
         logging.getLogger(n).setLevel(logging.ERROR)
@@ -154,8 +156,6 @@ def resolve_tasks(names: list[str], include_path: str | None) -> list[str]:
 
     The stock task index (about 15,000 tasks, 6-8 s) is built only when a name is not found in
     `include_path`. Raises a one-line OpdError for an unknown task or one without a usable metric."""
-    from opd.capabilities import _REGISTRY, get_capability, register
-
     todo = []
     for n in names:
         existing = _REGISTRY.get(n)
@@ -194,7 +194,7 @@ _LOADED: dict[TaskInfo, _Loaded] = {}
 def _load(info: TaskInfo) -> _Loaded:
     if info in _LOADED:
         return _LOADED[info]
-    import datasets
+    import datasets  # lazy: datasets is slow to import
 
     datasets.disable_progress_bars()
     manager = task_manager(info.include_path, info.include_defaults)

@@ -20,8 +20,8 @@ def reasoning_gym_capability(task: str, pool: int = 2000) -> Capability:
     a reasoning trace spans lines), and both score the last <answer> tag (`extract_answer`).
     """
     try:
-        import reasoning_gym
-        from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
+        import reasoning_gym  # lazy: reasoning_gym is slow to import; only rg: tasks need it
+        from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer  # lazy: as above
     except ImportError as e:  # pragma: no cover - reasoning-gym is a core dependency
         raise OpdError("reasoning-gym is not installed: pip install reasoning-gym") from e
     try:

@@ -6,6 +6,8 @@ so that small models get signal before they are ever fully right.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import multiprocessing as mp
 from collections.abc import Callable
 
 from opd.capabilities.base import Capability
@@ -79,9 +81,6 @@ class GuardedReward:
         return score
 
     def _isolated(self, completion: str, answer: str, cap: Capability) -> float | None:
-        import concurrent.futures as cf
-        import multiprocessing as mp
-
         if self._pool is None:
             # spawn, not fork: a forked copy of a training process (torch threads, locks) can hang
             self._pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))

@@ -9,7 +9,11 @@ nodes do not share) is one line (`OpdError`) before any work starts.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,7 +49,7 @@ class ClusterSettings(BaseModel):
 def import_ray():
     """The `ray` module, or one line saying how to install it."""
     try:
-        import ray
+        import ray  # lazy: ray is an optional dependency
     except ImportError:
         raise OpdError("cluster engine 'ray': Ray is not installed; pip install 'opd[ray]' (ray==2.60.0) on "
                        "this machine and every node") from None
@@ -62,7 +66,6 @@ def connect(address: str, field: str = "cluster.address"):
     if address != "auto" and not address.startswith("local"):
         # ray.init retries a GCS it cannot reach for ever (seen here: > 5 minutes of "Failed to connect
         # to GCS"), so the address must answer a TCP connect first
-        import socket
 
         host, _, port = hostport.rpartition(":")
         try:
@@ -90,6 +93,7 @@ def _write_marker(path: Path, token: str) -> None:
 def check_shared(ray, run_dir: Path, field: str = "cluster") -> None:
     """Refuse (one line) unless every alive node of the cluster reads and writes `run_dir`: the driver
     writes a marker there, a zero-CPU task pinned to each node checks it and writes one back."""
+    # lazy: ray is an optional dependency
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     run_dir = Path(run_dir).resolve()
@@ -107,8 +111,6 @@ def check_shared(ray, run_dir: Path, field: str = "cluster") -> None:
         seen = dict(zip(refs, ray.get(list(refs.values()), timeout=120)))
         blind = [n for n, ok in seen.items() if not ok or not (probe_dir / n.split()[1]).exists()]
     finally:
-        import shutil
-
         shutil.rmtree(probe_dir, ignore_errors=True)
     if blind:
         raise OpdError(f"{field}: {run_dir} is not shared storage: node(s) {', '.join(sorted(blind))} of "
@@ -118,7 +120,7 @@ def check_shared(ray, run_dir: Path, field: str = "cluster") -> None:
 
 def _probe_marker(probe_dir: str, token: str) -> bool:
     """On one node: whether the driver's marker is there with its token; if so, answer with this node's."""
-    import ray
+    import ray  # lazy: ray is an optional dependency
 
     p = Path(probe_dir)
     try:
@@ -134,10 +136,7 @@ def _run_logged(cmd: list[str], log_path: str, cwd: str, env: dict[str, str]) ->
     """On a node: run `cmd`, its output appended to `log_path` (a retry adds its own part below the
     dead attempt's). The child dies with this worker (PR_SET_PDEATHSIG), so a node that Ray declares
     dead leaves no trainer writing the checkpoint that the retry resumes."""
-    import ctypes
-    import signal
-
-    import ray
+    import ray  # lazy: ray is an optional dependency
 
     def die_with_parent():
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from opd.capabilities import EVAL_SPLITS, get_capability
 from opd.errors import OpdError
@@ -26,7 +27,7 @@ from opd.evaluation.tasks import (
     template_yaml,
     write_tasks,
 )
-from opd.io import atomic_write_json, state_dict_hash
+from opd.io import atomic_dir, atomic_write_json, state_dict_hash, text_hash
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -51,7 +52,6 @@ def _include_path(capabilities: list[str]) -> str:
         return str(REPO_EVALS)
     # Capabilities without shipped YAMLs (e.g. reasoning-gym ones) get generated tasks, written once
     # per capability set into the eval cache (not a new temp dir per call, which nothing removed).
-    from opd.io import atomic_dir, text_hash
 
     content = template_yaml() + UTILS_PY + "".join(task_yaml(c, s) for c in sorted(capabilities) for s in EVAL_SPLITS)
     d = cache_dir().parent / "tasks" / text_hash(content)
@@ -114,8 +114,6 @@ def _chat(cap, tokenizer) -> bool:
 
 
 def _cache_name(cap, tokenizer, split: str, limit: int | None) -> str:
-    from opd.io import text_hash
-
     # A chat-templated prompt depends on the tokenizer's template, which the weights' hash does not cover.
     chat = f"-c{text_hash(tokenizer.chat_template)[:8]}" if _chat(cap, tokenizer) else ""
     # rg: prompts gained an instruction and lost the "\n" stop: their own key, opd's tasks keep theirs
@@ -137,7 +135,7 @@ _TASKS: dict[tuple[str, str], tuple[object, object]] = {}
 
 def lm_eval_tasks(capabilities: list[str], split: str) -> dict:
     """The lm-eval Tasks that `capabilities` are scored on for `split`, by task name (built once)."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lazy: lm_eval is slow to import
 
     include = _include_path(capabilities)
     names = {task_name(c, split): get_capability(c) for c in capabilities}
@@ -157,18 +155,17 @@ def lm_eval_tasks(capabilities: list[str], split: str) -> dict:
 
 
 def _run_lm_eval(model, tokenizer, capabilities, split, limit, batch_size, lm=None) -> dict[str, Score]:
-    import datasets
+    import datasets  # lazy: datasets is slow to import
 
     for name in ("lm-eval", "lm_eval", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    import lm_eval.api.task as lm_task
-    from tqdm import tqdm
+    import lm_eval.api.task as lm_task  # lazy: lm_eval is slow to import
 
     datasets.disable_progress_bars()
     lm_task.tqdm = functools.partial(tqdm, disable=True)  # per-document context bars
     was_training = model.training if model is not None else False
     if lm is None:
-        from lm_eval.models.huggingface import HFLM
+        from lm_eval.models.huggingface import HFLM  # lazy: lm_eval is slow to import
 
         model.eval()
         # A model object is scored where it is, in its own dtype: HFLM takes its device from `model.device`
@@ -219,8 +216,8 @@ def _evaluate(lm, task_dict: dict, limit, samples: dict, chat: bool) -> dict:
     tasks, which have no entry in `samples`, take all their (already split-sized) docs then.
     `chat`: apply_chat_template=True, as simple_evaluate passes it (lm_eval/evaluator.py), with
     fewshot_as_multiturn and no system_instruction (a task's `description` is the system turn)."""
-    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
-    from lm_eval.evaluator import evaluate as lm_eval_evaluate
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED  # lazy: lm_eval is slow to import
+    from lm_eval.evaluator import evaluate as lm_eval_evaluate  # lazy: lm_eval is slow to import
 
     if samples:
         for tname, task in task_dict["tasks"].items():

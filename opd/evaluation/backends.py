@@ -12,6 +12,7 @@ Neither module is imported unless that backend is used: both import their engine
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import tempfile
 from pathlib import Path
@@ -32,7 +33,7 @@ def require_backend(backend: str) -> None:
     if importlib.util.find_spec(backend) is None:
         raise OpdError(f"scoring.backend {backend!r}: the {backend} package is not installed here "
                        f"({PACKAGES[backend]}, on a CUDA machine); use backend: hf")
-    import torch
+    import torch  # lazy: torch is slow to import
 
     if not torch.cuda.is_available():
         raise OpdError(f"scoring.backend {backend!r}: needs a CUDA GPU and this machine has none; use backend: hf")
@@ -59,8 +60,9 @@ def make_lm(scoring, path: str | Path, seed: int = 0):
     """lm-eval's VLLM / SGLangLM on the model directory `path`."""
     require_backend(scoring.backend)
     if scoring.backend == "vllm":
-        from lm_eval.models.vllm_causallms import VLLM as model_type
+        from lm_eval.models.vllm_causallms import VLLM as model_type  # lazy: vllm is optional (GPU only)
     else:
+        # lazy: sglang is optional (GPU only)
         from lm_eval.models.sglang_causallms import SGLangLM as model_type
     return model_type(**model_args(scoring, path, seed))
 
@@ -69,7 +71,7 @@ def evaluate_on_disk(model, tokenizer, scoring, capabilities: list[str], split: 
                      model_hash: str):
     """Write `model` (its current weights) and `tokenizer` to a temporary directory and score it
     there with the backend's engine; the cache works as for hf (keyed by `model_hash`)."""
-    from opd.evaluation.api import evaluate
+    from opd.evaluation.api import evaluate  # lazy: opd.evaluation.api loads torch and numpy
 
     made = []
 
@@ -90,9 +92,7 @@ def evaluate_on_disk(model, tokenizer, scoring, capabilities: list[str], split: 
 def _release(made: list) -> None:
     """Free the engine's GPU memory before the next candidate starts one (not checked on a GPU here:
     SGLang's Engine has shutdown(); vLLM's LLM frees its memory when collected)."""
-    import gc
-
-    import torch
+    import torch  # lazy: torch is slow to import
 
     for lm in made:
         engine = getattr(lm, "model", None)

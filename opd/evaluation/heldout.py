@@ -21,7 +21,7 @@ def heldout_items(capability: str, split: str, n: int | None = None) -> list[dic
 
 def load_dataset_dict(capability: str, split: str, **_: object):
     """`custom_dataset` hook for lm-eval task YAMLs: a DatasetDict with one `test` split."""
-    import datasets
+    import datasets  # lazy: datasets is slow to import
 
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(heldout_items(capability, split))})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from opd.paths import history_dir, require_model_dir
 def load_base(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """The base as (model, tokenizer), the model on `device` in `dtype` (read in float32, so a caller hashing
     the base's own weights hashes them before `place`); a clear error when it is missing or not a causal LM."""
+    # lazy: transformers is slow to import
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     p = require_model_dir(path, "base", "build the lab base with `python scripts/build_base.py` or point "
@@ -96,7 +98,6 @@ def version_previous(out: Path) -> None:
     dest = history_dir(out) / f"v{old.get('version', 1)}-{old['content_hash']}"
     if not dest.exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
-        import shutil
 
         shutil.copytree(out, dest)
 

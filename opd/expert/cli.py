@@ -1,4 +1,5 @@
-"""`opd train-expert` / `python scripts/train_expert.py`: train one capability expert with GSPO."""
+"""`opd train-expert` / `python -m opd.expert` / `python scripts/train_expert.py`: train one capability
+expert with GSPO."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def train_main(argv: list[str] | None = None, prog: str | None = None) -> None:
     add_verbose_flag(ap)
     args = ap.parse_args(argv)
     quiet_third_party(args.verbose)
-    from opd.expert.run import run_expert
-    from opd.expert.spec import load_expert_spec
+    from opd.expert.run import run_expert  # lazy: opd.expert.run loads transformers and torch
+    from opd.expert.spec import load_expert_spec  # lazy: opd.expert.spec loads torch and numpy
 
     spec = load_expert_spec(args.spec, **parse_overrides(args.overrides))
     naming_file(args.spec, run_expert, spec, out=Path(args.out) if args.out else None, fresh=args.fresh)

@@ -19,6 +19,7 @@ from opd.expert.trainer import train
 from opd.io import state_dict_hash, sweep_stale
 from opd.paths import check_output
 from opd.rl.checkpoint import Ranks
+from opd.rl.distributed import deepspeed_wrap
 from opd.tracking import Tracker, open_tracker, tracking_dir
 
 console = Console(stderr=True)
@@ -68,8 +69,6 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
 
     wrap = None
     if spec.deepspeed is not None:
-        from opd.rl.distributed import deepspeed_wrap
-
         wrap = deepspeed_wrap(spec.gspo.grad_clip, spec.deepspeed)
 
     # rank 0 logs the curves; the other ranks of a data-parallel run sample their own batches. The rank

@@ -19,6 +19,7 @@ from opd.capabilities import get_capability
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName, fp32_state, place, resolve_device, resolve_dtype
 from opd.errors import OpdError
+from opd.evaluation.api import evaluate
 from opd.io import (
     atomic_dir,
     atomic_torch_save,
@@ -131,8 +132,6 @@ def band_key(scores: dict[str, float], band: tuple[float, float]) -> tuple:
 
 def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> dict:
     """Train (or resume) the base; write the kept checkpoint to `out` as an HF model directory."""
-    from opd.evaluation.api import evaluate
-
     out = Path(out)
     ckpt_path = out.parent / f".{out.name}.ckpt" / "state.pt"
     torch.set_num_threads(spec.threads)

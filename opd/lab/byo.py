@@ -11,6 +11,10 @@ import random
 import shutil
 from pathlib import Path
 
+import torch
+
+from opd.capabilities import get_capability
+from opd.capabilities.lm_eval_task import resolve_tasks
 from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_text
 
@@ -59,9 +63,6 @@ def write_task(out: Path, n_train: int, n_test: int, seed: int = 0) -> Path:
 def training_pairs(task: str, tokenizer, n: int, seed: int, include_path: str | None) -> list[tuple[str, str]]:
     """(prompt as the model sees it, answer + newline) pairs from `task`'s training docs or items.
     The prompt is rendered as opd and lm-eval render it (the task's context, chat template)."""
-    from opd.capabilities import get_capability
-    from opd.capabilities.lm_eval_task import resolve_tasks
-
     resolve_tasks([task], include_path)
     cap = get_capability(task)
     if getattr(cap, "lm_eval", False):  # the item's answer is its doc's key; the doc holds the full answer
@@ -74,7 +75,7 @@ def finetune(base: Path, out: Path, pairs: list[tuple[str, str]], steps: int, se
              batch_size: int = 32) -> Path:
     """Supervised fine-tuning of `base` on `pairs` with plain transformers `Trainer` (loss on the answer
     tokens only); saves a plain HF directory (model, generation config, tokenizer) with no manifest."""
-    import torch
+    # lazy: loads datasets and transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     tok = AutoTokenizer.from_pretrained(base)
@@ -113,7 +114,7 @@ def make_byo(base: Path, out: Path, n_train: int = 2000, n_test: int = 400, step
              seed: int = 0) -> dict:
     """The whole BYO test bed under `out`: the task (data/, tasks/) and experts/<name>/ fine-tuned
     from `base`. Returns {"include_path": ..., "experts": {name: {"path", "tasks"}}}."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     out = Path(out)
     tasks_dir = write_task(out, n_train, n_test, seed)

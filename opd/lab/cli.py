@@ -41,7 +41,7 @@ def lab_main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.jobs is not None and args.jobs < 1:
         ap.error("--jobs: give 1 or more")
     quiet_third_party(args.verbose)  # the expert runs it starts follow (OPD_VERBOSE)
-    from opd.lab.pipeline import run_lab
+    from opd.lab.pipeline import run_lab  # lazy: keeps `opd lab --help` to argparse (it loads rich)
 
     run_lab(args.recipe, [s.strip() for s in args.stages.split(",") if s.strip()], jobs=args.jobs, seed=args.seed,
             ray=args.ray)
@@ -57,6 +57,6 @@ def base_main(argv: list[str] | None = None, prog: str | None = None) -> None:
     add_verbose_flag(ap)
     args = ap.parse_args(argv)
     quiet_third_party(args.verbose)
-    from opd.lab.run import build_and_report
+    from opd.lab.run import build_and_report  # lazy: opd.lab.run loads transformers and torch
 
     build_and_report(args.spec, args.out, force=args.force, overrides=parse_overrides(args.overrides))

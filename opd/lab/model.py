@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
@@ -27,8 +28,6 @@ class ModelShape(BaseModel):
 
 
 def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen3ForCausalLM:
-    import torch
-
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from opd.lab.model import ModelShape
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opd.io import state_dict_hash
+from opd.lab.data import MixtureStream, encode_sft
+from opd.lab.model import ModelShape, build_model
+from opd.lab.tokenizer import build_char_tokenizer
 
 PICO = ModelShape(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=64, max_position_embeddings=64)
@@ -14,12 +21,6 @@ def pretrain_pico(capability: str = "count", steps: int = 120, shape: ModelShape
     """A lab model of `shape` trained for `steps` supervised batches on `capability` (seconds for
     pico sizes): it scores clearly above 0 but below 1. `tokenizer`: default the char one.
     Returns (model, tokenizer)."""
-    import torch
-
-    from opd.lab.data import MixtureStream, encode_sft
-    from opd.lab.model import build_model
-    from opd.lab.tokenizer import build_char_tokenizer
-
     tok = tokenizer or build_char_tokenizer()
     model = build_model(shape, tok, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -48,15 +49,6 @@ def build_fake_lab(root: Path, capabilities=("add", "rev"), shape: ModelShape = 
     The base is a fresh pico model of `shape` (with `tokenizer`, default the char one), or a copy of
     the model directory `base` (e.g. one from `build_trained_pico`); each expert is the base plus a seeded sparse-ish random task vector
     (MLP and query weights), with a manifest like a trained expert's (scores 0)."""
-    import json
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opd.io import state_dict_hash
-    from opd.lab.model import build_model
-    from opd.lab.tokenizer import build_char_tokenizer
-
     root = Path(root)
     if base is None:
         tok = tokenizer or build_char_tokenizer()

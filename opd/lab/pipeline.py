@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from opd.display import console  # the live display's console: prints land above it
+from rich.text import Text
+
+from opd.cluster import check_shared, connect, run_commands_on_ray
+from opd.display import Display, console, display  # console: the live display's; prints land above it
 from opd.errors import OpdError
+from opd.manifest import EXPERTS_DIR
 
 STAGES = ("base", "experts", "merge")
 
@@ -20,14 +27,6 @@ def run_parallel(cmds: dict[str, list[str]], jobs: int, log_dir: Path, every: fl
     running expert (elapsed minutes and the last `step ...` line of its log: step, val, best) and a
     count of the queued and finished. On a terminal it updates in place, beside the other stages'
     bars; otherwise (CI, nohup) it prints every `every` seconds (default: the display's, 30)."""
-    import subprocess
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    from rich.text import Text
-
-    from opd.display import Display, display
-
     log_dir.mkdir(parents=True, exist_ok=True)
     state = {n: "queued" for n in cmds}
     started: dict[str, float] = {}
@@ -73,8 +72,6 @@ def run_on_cluster(cluster, cmds: dict[str, list[str]], resources: dict[str, dic
     """The experts stage on a Ray cluster (opd.cluster): refused in one line unless every node sees the
     log directory and every expert's output directory; one task per expert with its spec's resources,
     rerun from its checkpoint when its node dies."""
-    from opd.cluster import check_shared, connect, run_commands_on_ray
-
     ray = connect(cluster.address, "cluster.address (train.cluster or --ray)")
     for d in dict.fromkeys(Path(o).resolve().parent for o in [log_dir / "x", *outs]):
         check_shared(ray, d, "cluster")
@@ -104,8 +101,6 @@ def expert_jobs(recipe) -> dict[str, tuple[Path, Path | None]]:
     An expert listed by name lands in the default experts/<name>/ (None); one listed as a path
     (experts/lab10/add) lands there, trained from the spec named by its last part; a `{path, tasks}`
     entry (a fine-tune brought from elsewhere) is not trained."""
-    from opd.manifest import EXPERTS_DIR
-
     jobs = {}
     for entry in recipe.experts:
         if not isinstance(entry, str):  # a {path, tasks} entry is brought trained, not trained here
@@ -120,8 +115,8 @@ def expert_jobs(recipe) -> dict[str, tuple[Path, Path | None]]:
 
 
 def expert_command(spec: Path, out: Path | None, overrides: dict) -> list[str]:
-    script = Path(__file__).resolve().parents[2] / "scripts" / "train_expert.py"
-    return [sys.executable, str(script), str(spec), *(f"{k}={v}" for k, v in overrides.items()),
+    """One expert's training as a command line: the package's module, found wherever opd is installed."""
+    return [sys.executable, "-m", "opd.expert", str(spec), *(f"{k}={v}" for k, v in overrides.items()),
             *(["--out", str(out)] if out else [])]
 
 
@@ -143,18 +138,17 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
     `seed` (default: the specs' own) seeds the base's pre-training and every expert's training: a
     different seed is a different lab. The minutes of the base and experts stages go to
     <recipe out>/lab_stages.json, which the report's headline reads."""
-    import time
-
-    from opd.io import atomic_write_json
+    from opd.io import atomic_write_json  # lazy: opd.io loads torch and numpy
 
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OpdError(f"--stages: unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
-    from opd.lab.base import load_base_spec
-    from opd.merge import load_recipe
+    from opd.lab.base import load_base_spec  # lazy: opd.lab.base loads transformers and torch
+    from opd.lab.recipe import load_lab_recipe  # lazy: opd.lab.recipe loads transformers and torch
 
-    recipe = load_recipe(recipe_path)  # bad input fails before hours of base training
-    base_overrides = {**recipe.train.base, **({"seed": seed} if seed is not None else {})}
+    lab = load_lab_recipe(recipe_path)  # bad input fails before hours of base training
+    recipe, train = lab.merge, lab.train
+    base_overrides = {**train.base, **({"seed": seed} if seed is not None else {})}
     try:  # the base stage's spec, checked now for the same reason
         load_base_spec(**base_overrides)
     except OpdError as e:
@@ -173,25 +167,24 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         atomic_write_json(stages_file, minutes)
 
     if "base" in stages:
-        from opd.lab.run import build_and_report
+        from opd.lab.run import build_and_report  # lazy: opd.lab.run loads transformers and torch
 
         t, before = time.time(), manifest_stamps([recipe.base])
         build_and_report(out=recipe.base, overrides=base_overrides)
         record("base", t, before, manifest_stamps([recipe.base]))
     if "experts" in stages:
-        from opd.expert.run import run_expert
-        from opd.expert.spec import load_expert_spec
-        from opd.manifest import EXPERTS_DIR
+        from opd.expert.run import run_expert  # lazy: opd.expert.run loads transformers and torch
+        from opd.expert.spec import load_expert_spec  # lazy: opd.expert.spec loads torch and numpy
 
         specs = expert_jobs(recipe)
         outs = [out or EXPERTS_DIR / name for name, (_, out) in specs.items()]
         t, before = time.time(), manifest_stamps(outs)
         # every expert starts from the recipe's base (a BPE lab's runs/base-bpe) unless the overrides say otherwise
-        overrides = {"base": recipe.base, **{k: str(v) for k, v in recipe.train.overrides.items()}}
+        overrides = {"base": recipe.base, **{k: str(v) for k, v in train.overrides.items()}}
         if seed is not None:
             overrides["seed"] = str(seed)
-        jobs = jobs or recipe.train.jobs
-        cluster = recipe.train.cluster
+        jobs = jobs or train.jobs
+        cluster = train.cluster
         if ray is not None:
             cluster = cluster.model_copy(update={"engine": "ray", "address": ray})
         if cluster.engine == "ray":  # one task per expert, with the resources its spec asks for
@@ -206,7 +199,7 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
                 run_expert(load_expert_spec(spec, **overrides), out=out)
         record("experts", t, before, manifest_stamps(outs))
     if "merge" in stages:
-        from opd.merge import run_recipe
+        from opd.merge import run_recipe  # lazy: opd.merge loads transformers and torch
 
         # soft_wrap: a log off a terminal keeps the headline's table rows whole (rich wraps at 80)
         run_recipe(recipe, resume=True, worker=False, live=True,

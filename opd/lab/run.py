@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from opd.display import display
+from opd.evaluation.api import evaluate
 from opd.io import atomic_write_json
 from opd.lab.base import DEFAULT_SPEC, build_base, load_base_spec, same_training
 from opd.paths import check_output
@@ -30,8 +32,6 @@ def build_and_report(spec_path=None, out="runs/base", force=False, overrides=Non
             manifest["capabilities"] = spec.lab_capabilities
             atomic_write_json(mf, manifest)
     else:
-        from opd.display import display
-
         # a section of the one live display: off a terminal (nohup, CI) it prints every 30 s too
         bar = Progress(TextColumn(f"[bold]pre-training {out}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                        TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("loss {task.fields[loss]:.3f}"))
@@ -43,9 +43,8 @@ def build_and_report(spec_path=None, out="runs/base", force=False, overrides=Non
 
 
 def report_base(out: Path, capabilities: list[str], band) -> dict:
+    # lazy: the Auto classes add ~0.4 s to `opd base`'s start, a bad spec's included
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opd.evaluation.api import evaluate
 
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)

@@ -8,15 +8,18 @@ deletes the study and starts over."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from opd.console import add_verbose_flag, quiet_third_party
-from opd.errors import cli_main
+from opd.errors import cli_main, naming_file
+from opd.merge import load_recipe, run_recipe
+from opd.merge.cluster import search_on_ray
+from opd.merge.export import export_trial
+from opd.merge.report import rewrite_report
 
 
 @cli_main
 def main(argv: list[str] | None = None, prog: str = "python -m opd.merge") -> None:
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         return export_main(argv[1:], prog=f"{prog} export")
@@ -40,9 +43,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m opd.merge") -> No
     args = ap.parse_args(argv)
     quiet_third_party(args.verbose)
 
-    from opd.errors import naming_file
-    from opd.merge import load_recipe, run_recipe
-
     recipe = load_recipe(args.recipe, args.overrides)
     if args.fresh and args.worker:
         ap.error("--fresh deletes the shared study: start it over from one process, then add --worker ones")
@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m opd.merge") -> No
     if args.workers is not None and args.workers < 1:
         ap.error("--workers: give 1 or more")
     if args.ray is not None:  # the workers search on the cluster; this process then writes the report
-        from opd.merge.cluster import search_on_ray
 
         if args.fresh:
             ap.error("--fresh with --workers: start the study over on this machine first (--fresh alone)")
@@ -71,7 +70,6 @@ def export_main(argv: list[str] | None = None, prog: str = "python -m opd.merge 
     add_verbose_flag(ap)
     args = ap.parse_args(argv)
     quiet_third_party(args.verbose)
-    from opd.merge.export import export_trial
 
     export_trial(args.run, args.trial, args.out)
 
@@ -85,7 +83,6 @@ def report_main(argv: list[str] | None = None, prog: str = "opd report") -> None
     add_verbose_flag(ap)
     args = ap.parse_args(argv)
     quiet_third_party(args.verbose)
-    from opd.merge.report import rewrite_report
 
     print(f"report: {rewrite_report(args.run)}")
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from opd.cluster import ClusterSettings, check_shared, connect, run_commands_on_ray
+from opd.display import console
 from opd.errors import OpdError
 from opd.merge.study import study_storage
 
@@ -15,12 +17,10 @@ from opd.merge.study import study_storage
 def search_on_ray(recipe_path: str, overrides: list[str], recipe, workers: int, address: str) -> None:
     """Refused in one line unless every node shares the run directory (and, for the default SQLite
     study, the file it lives in); a worker whose node dies is rerun by Ray and its trial redone."""
-    from opd.cluster import ClusterSettings, check_shared, connect, run_commands_on_ray
-    from opd.display import console
-
     ray = connect(address, "--ray")
     check_shared(ray, recipe.out_dir, "--ray")
     recipe.out_dir.mkdir(parents=True, exist_ok=True)
+
     study_storage(recipe)  # Optuna makes its tables on first connect: once, here, not by N workers at once
     cmd = [sys.executable, "-m", "opd.merge", "--recipe", str(Path(recipe_path).resolve()), "--worker", "--no-live",
            *overrides]

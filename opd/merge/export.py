@@ -10,24 +10,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import safetensors.torch
 import yaml
 
 from opd.errors import OpdError
+from opd.io import atomic_dir
+from opd.merge.recipe import MergeRecipe, load_inputs
+from opd.merge.strategies import get_strategy
+from opd.merge.trials import from_results
+from opd.paths import check_output
+from opd.weights.merge import merge_candidate, mergekit_config, run_mergekit
 
 
 def export_trial(run_dir: str | Path, number: int, out: str | Path | None = None, log=print) -> Path:
     """Write <out>/mergekit.yaml and the merged HF model in <out> (default <run>/export/trial-<n>);
     returns <out>. Raises OpdError for a run without results, an unknown trial, or a trial whose
     strategy is not a merge (a distilled student)."""
-    from safetensors.torch import load_file
-
-    from opd.io import atomic_dir
-    from opd.merge.recipe import MergeRecipe, load_inputs
-    from opd.merge.strategies import get_strategy
-    from opd.merge.trials import from_results
-    from opd.paths import check_output
-    from opd.weights.merge import merge_candidate, mergekit_config, run_mergekit
-
     run_dir = Path(run_dir)
     try:
         summary = json.loads((run_dir / "results.json").read_text())
@@ -53,7 +51,7 @@ def export_trial(run_dir: str | Path, number: int, out: str | Path | None = None
         run_mergekit(config, str(tmp), seed=cand.seed)
         built = {}
         for f in sorted(tmp.glob("*.safetensors")):
-            built.update(load_file(f))
+            built.update(safetensors.torch.load_file(f))
         searched = merge_candidate(cand, base, experts, inputs.base_sd, inputs.expert_sds)
         diff = max((float((built[k] - v).abs().max()) for k, v in searched.items() if k in built), default=0.0)
         missing = sorted(set(searched) - set(built))

@@ -130,7 +130,7 @@ def what_changed(prev: dict, summary: dict) -> dict:
         return {c["capability"]: c for c in s["matrix"]["test"] if c["candidate"] == s["best"]}
 
     def expert_cells(s: dict) -> dict:  # the owning expert's own score, per capability
-        from opd.merge.report import expert_rows
+        from opd.merge.report import expert_rows  # lazy: cycle: opd.merge.report imports opd.merge.history
 
         rows = expert_rows(s)
         return {c["capability"]: c for c in s["matrix"]["test"] if rows.get(c["capability"]) == c["candidate"]}

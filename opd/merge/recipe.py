@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -12,20 +12,23 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
 )
 
-from opd.cluster import ClusterSettings
+from opd.capabilities import get_capability
+from opd.capabilities.lm_eval_task import resolve_tasks
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.distill.config import VERIFIER_HELP, DistillConfig, Verifier, one_verifier
 from opd.errors import OpdError
+from opd.evaluation.backends import require_backend
+from opd.io import state_dict_hash
 from opd.merge.strategies import MergeInputs, get_strategy
-from opd.model_inputs import ExpertEntry, ExpertInput
+from opd.model_inputs import ExpertEntry, ExpertInput, cached_hash, open_experts, read_header, weights_hash
 from opd.paths import NAME_PATTERN, redact_url, require_model_dir
+from opd.weights.lazy import LazyStateDict
 from opd.weights.merge import merge_keys
 
 Scalar = bool | int | float | str
@@ -100,40 +103,6 @@ class Objectives(BaseModel):
         return self
 
 
-class LabTraining(BaseModel):
-    """How `scripts/lab.py` trains a recipe's experts; the merge search itself ignores it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    overrides: dict[str, Scalar] = Field(default_factory=dict, description="dotted expert-spec overrides "
-                                         "applied to every experts/<name>.yaml, e.g. {max_minutes: 3}; list "
-                                         "the experts as paths (experts/lab10/add) so that such experts get "
-                                         "their own directory and never replace the default versions")
-    jobs: int = Field(1, gt=0, description="experts trained at once, one process each (--jobs overrides)")
-    cluster: ClusterSettings = Field(default_factory=ClusterSettings, description="where the experts train: "
-                                     "{engine: local} (default, `jobs` at once) or {engine: ray, address: auto | "
-                                     "ray://host:port | host:port} (one Ray task per expert; --ray overrides)")
-    base: dict[str, Scalar] = Field(default_factory=dict, description="overrides of the lab's base spec "
-                                    "(opd/lab/base.yaml) for the lab's base stage, which builds the recipe's "
-                                    "`base` directory, e.g. {tokenizer: bpe} for a BPE lab; checked against "
-                                    "the base spec when scripts/lab.py loads the recipe")
-
-    @field_validator("overrides")
-    @classmethod
-    def _valid_for_specs(cls, overrides):
-        from opd.config import apply_overrides
-        from opd.expert.spec import ExpertSpec
-
-        try:
-            ExpertSpec.model_validate(apply_overrides({"capability": "count"}, dict(overrides)))
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ValueError(f"{'.'.join(map(str, err['loc']))!r}: {err['msg']} (an expert spec's fields "
-                             "are in opd/expert/spec.py)") from None
-        except OpdError as e:
-            raise ValueError(str(e)) from None
-        return overrides
-
-
 class Scoring(BaseModel):
     """How candidates are scored: in process (hf) or by lm-eval's own vLLM / SGLang model types on a
     candidate written to disk (GPU only; opd.evaluation.backends)."""
@@ -151,8 +120,6 @@ class Scoring(BaseModel):
 
     @model_validator(mode="after")
     def _can_run(self):
-        from opd.evaluation.backends import require_backend
-
         require_backend(self.backend)
         return self
 
@@ -181,7 +148,9 @@ class MergeRecipe(BaseModel):
                                "(gspo, reward_weight > 0) is refused with 'none'; the same setting as "
                                "distill.verifier")
     budget: Budget = Field(default_factory=Budget)
-    train: LabTraining = Field(default_factory=LabTraining, description="how scripts/lab.py trains the experts")
+    train: dict[str, Any] = Field(default_factory=dict, description="the lab's section: how `opd lab` trains the "
+                                  "experts ([LabTraining](#labtraining), checked by opd.lab.recipe when the lab "
+                                  "loads the file); the merge search keeps it as written and does not read it")
     objectives: Objectives = Field(default_factory=Objectives)
     sampler: Literal["tpe", "nsga2", "random"] = Field("tpe", description="Optuna sampler")
     seed: int = Field(0, description="sampler seed; trial n's randomised merges use seed + n")
@@ -225,8 +194,6 @@ class MergeRecipe(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        from opd.capabilities import get_capability
-
         if self.split != "val":
             raise ValueError("the search scores on 'val' only: tuning on the test split would leak it "
                              "into the scores the report gives")
@@ -236,8 +203,6 @@ class MergeRecipe(BaseModel):
             raise ValueError("include_path is set but no `tasks` name a task from it")
         names = self.tasks or self.capabilities or []
         if names:
-            from opd.capabilities.lm_eval_task import resolve_tasks
-
             include = str(Path(self.include_path).resolve()) if self.include_path else None
             resolve_tasks(names, include)
         for c in names:
@@ -317,10 +282,8 @@ def load_inputs(recipe: MergeRecipe) -> MergeInputs:
     """Load base and experts; refuse incompatible ones. Every expert is checked against the base
     (architecture, tensor names and shapes, tokenizer content) before any weights load
     (opd.model_inputs); an opd expert's manifest must name this base's hash and its weights' hash."""
+    # lazy: the Auto classes add ~0.4 s to `opd merge`'s start, a bad recipe's included
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opd.io import state_dict_hash
-    from opd.model_inputs import cached_hash, open_experts, read_header, weights_hash
 
     # absolute: mergekit reads a relative path that is not a directory as a hub model id
     base_path = require_model_dir(recipe.base, "base", "build it with scripts/build_base.py or set base= to a "
@@ -355,13 +318,11 @@ def _held(path: Path, names: list[str], copy_of: dict | None = None):
     """How the search holds a model's weights: a lazy state dict over its safetensors (a tensor read on
     access, opd.weights.lazy) with `names` in order; a model stored otherwise (pytorch .bin) is loaded
     and kept in memory (`copy_of`: a live model's state dict, copied instead of loaded)."""
-    from opd.weights.lazy import LazyStateDict
-
     try:
         return LazyStateDict(path, names=names)
     except (ValueError, KeyError, RuntimeError, FileNotFoundError):
         if copy_of is not None:
             return {k: v.detach().clone() for k, v in copy_of.items()}
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: as in load_inputs
 
         return merge_keys(AutoModelForCausalLM.from_pretrained(path, dtype="float32").state_dict())

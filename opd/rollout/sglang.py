@@ -35,6 +35,7 @@ vocabulary, at most max_new_tokens per sample, finite log-probs). Every failure 
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import math
 import os
@@ -385,8 +386,6 @@ def launch_server(model_path: str | os.PathLike, port: int, extra_args: list[str
     Its output goes to a temp log file (removed by `close()`) whose tail is quoted when the server dies
     or does not come up.
     """
-    import importlib.util
-
     if python == sys.executable and importlib.util.find_spec("sglang") is None:
         raise OpdError("sglang is not installed in this environment; on a GPU machine: pip install 'opd[sglang]' "
                        "(it needs CUDA; see NOTES.md), or pass python= pointing at an interpreter that has it")

@@ -40,11 +40,16 @@ from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 import torch
-from mergekit.merge_methods import BasePolicy, InputContract, TensorGroup, merge_method
+from mergekit.merge_methods import BasePolicy, InputContract, TensorGroup, merge_method, merge_state_dicts
 from pydantic import Field
+from torch.func import functional_call
 
+from opd.display import display, step_bar
 from opd.errors import OpdError
+from opd.io import state_dict_hash
+from opd.model_inputs import expert_record
 from opd.weights import regmean, wudi
+from opd.weights.state import merge_keys
 
 Tensor = torch.Tensor
 STEPS, LR, BATCH, SAMPLES, DATA, SEED = 300, 1e-2, 8, 128, 1.0, 0
@@ -80,6 +85,7 @@ def completion_batch(model, tokenizer, capability: str, n: int, seed: int = DATA
     """`n` train prompts of `capability` and `model`'s greedy completions of them, padded: (ids,
     attention mask, completion mask, prompt lengths), and `model`'s log-probs at the completion's
     positions (B, Tc, V): the targets of the fit."""
+    # lazy: opd.rl.batch loads transformers and huggingface_hub
     from opd.rl.batch import completion_logits, pad_sequences
 
     prompts, completions = regmean.lab_completions(model, tokenizer, capability, n, seed)
@@ -99,9 +105,7 @@ def objective(model: torch.nn.Module, params: Mapping[str, Tensor], data: Sequen
               rows: Sequence[Tensor] | None = None) -> Tensor:
     """The fit's loss: the mean over experts of `token_kl` between each expert's `completion_batch`
     targets and `model` run with the weights `params` (all its rows, or `rows[t]` of expert t's)."""
-    from torch.func import functional_call
-
-    from opd.rl.batch import completion_logits
+    from opd.rl.batch import completion_logits  # lazy: opd.rl.batch loads transformers and huggingface_hub
 
     def merged(**kw):
         return functional_call(model, dict(params), (), kw)
@@ -182,11 +186,7 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
             per_model: Mapping | None = None, base: str | Path | None = None) -> None:
     """Fit the coefficients for the base at `base` and the experts at `paths` (input id -> directory),
     or find the fit in the process's cache, and bind it to the inputs' ids."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opd.io import state_dict_hash
-    from opd.model_inputs import expert_record
-    from opd.weights.merge import merge_keys
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers is slow to import
 
     if base is None:
         raise OpdError("adamerging needs the base model's directory to fit its coefficients")
@@ -229,8 +229,6 @@ def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
 @contextmanager
 def _fit_bar(steps: int, experts: int) -> Iterator[Callable[[int, float], None]]:
     """The fit's section of the live display (opd.display): its steps and the mean KL of the last."""
-    from opd.display import display, step_bar
-
     bar = step_bar()
     task = bar.add_task(f"adamerging fit ({experts} experts)", total=steps, info="")
 
@@ -245,8 +243,6 @@ def _start(base: Mapping[str, Tensor], experts: Mapping[Hashable, Mapping[str, T
            inputs: str) -> dict[str, Tensor]:
     """WUDI's update of every tensor, as the mergekit method computes it (opd.weights.wudi): `experts`
     by the merge input ids whose Grams `wudi.prepare` bound."""
-    from mergekit.merge_methods import merge_state_dicts
-
     models = {_BASE_ID: dict(base), **{i: dict(e) for i, e in experts.items()}}
     with torch.no_grad():
         merged = merge_state_dicts(models, "wudi", parameters={"alpha": 1.0, "solver": "exact", "data": data,

@@ -16,20 +16,26 @@ from __future__ import annotations
 
 import functools
 import math
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
+import safetensors.torch
 import torch
-from mergekit.merge_methods import PerGroupValues
+from mergekit import merge_methods as mm
+from mergekit.merge_methods import PerGroupValues, merge_state_dicts
+from mergekit.merge_methods.base import ParameterScope
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
 from opd.weights import adamerging, regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
+from opd.weights.lazy import LazyStateDict
 from opd.weights.sort_cache import CACHE as SORT_CACHE
 from opd.weights.sort_cache import SortedMagnitudes, cached_magnitude
+from opd.weights.state import merge_keys as merge_keys  # re-exported: its callers import it here
 
 BASE_ID = "base"
 # Which models a method takes: "base+experts" (base is the reference), "experts" (base unused),
@@ -59,8 +65,6 @@ OPD_METHODS = tuple(m.spec.name for m in _OPD_METHODS)
 
 def _register_opd_methods() -> None:
     """Make opd's methods known to `mergekit.merge_methods.get` (once; mergekit refuses a repeat)."""
-    from mergekit import merge_methods as mm
-
     known = {m.spec.name for m in mm.registered_methods()}
     for method in _OPD_METHODS:
         if method.spec.name not in known:
@@ -90,17 +94,12 @@ class Method:
 
 def methods() -> list[Method]:
     """Every method opd merges with, in mergekit's registration order (its own, then opd's)."""
-    from mergekit import merge_methods as mm
-
     return [method(m.spec.name) for m in mm.registered_methods() if m.spec.name in METHOD_INPUTS]
 
 
 @functools.cache
 def method(name: str) -> Method:
     """One method as mergekit declares it; OpdError for a name opd does not merge with."""
-    from mergekit import merge_methods as mm
-    from mergekit.merge_methods.base import ParameterScope
-
     if name not in METHOD_INPUTS:
         raise OpdError(f"{name!r} is not a weight-space merge method; the methods are {sorted(METHOD_INPUTS)}")
     spec = mm.get(name).spec
@@ -201,8 +200,6 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
     `merge_state_dicts`, so nothing holds all of the inputs' tensors at once. With `sink`, each merged
     tensor goes to `sink(name, tensor)` as it is made (and None is returned); else the merged state
     dict is returned."""
-    from mergekit.merge_methods import merge_state_dicts
-
     m = _method(cand)
     experts = list(expert_sds)
     ids, base = _layout(m, experts)
@@ -251,8 +248,6 @@ _ELEMENTWISE_UNLESS_DECOMPOSED = {"tsv_m", "iso_c", "iso_cts", "wudi"}
 
 def _by_rows(method: str, name: str, sd: Mapping[str, torch.Tensor]) -> bool:
     """Whether tensor `name` may be merged by `method` a block of rows at a time (same result)."""
-    from opd.weights.lazy import LazyStateDict
-
     if method in _ELEMENTWISE:
         return True
     if method not in _ELEMENTWISE_UNLESS_DECOMPOSED:
@@ -264,10 +259,6 @@ def _by_rows(method: str, name: str, sd: Mapping[str, torch.Tensor]) -> bool:
 def _merge_rows(models: dict, ids: list, name: str, method: str, params: dict, base, chunk_bytes: int) -> torch.Tensor:
     """Tensor `name` merged by mergekit a block of rows at a time (each block within `chunk_bytes` over
     all inputs), read from lazy inputs a block at a time."""
-    from mergekit.merge_methods import merge_state_dicts
-
-    from opd.weights.lazy import LazyStateDict
-
     first = models[ids[0]]
     shape = first.shape(name) if isinstance(first, LazyStateDict) else tuple(first[name].shape)
     row_bytes = 4 * max(1, math.prod(shape[1:]))
@@ -283,8 +274,6 @@ def _merge_rows(models: dict, ids: list, name: str, method: str, params: dict, b
 
 def _tensor_bytes(sd: Mapping[str, torch.Tensor], names: list[str]) -> list[int]:
     """Each named tensor's float32 bytes, without reading a lazy state dict's tensors."""
-    from opd.weights.lazy import LazyStateDict
-
     if isinstance(sd, LazyStateDict):
         return [4 * sd.numel(n) for n in names]
     return [4 * sd[n].numel() for n in names]
@@ -305,8 +294,6 @@ def _runs(names: list[str], sizes: list[int], n_inputs: int, chunk_bytes: int) -
 def _per_tensor(params: dict[str, Any], name: str, names: list[str], layers: LayerLayout | None) -> dict:
     """Layer-wise values resolved tensor by tensor (mergekit's PerGroupValues, one per state-dict
     tensor in order) with the same mergekit function and gradient position as `run_merge`."""
-    from mergekit import merge_methods as mm
-
     validate = {p.name: p.validate for p in mm.get(name).spec.parameters}
     out = {}
     for p, v in params.items():
@@ -367,15 +354,13 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
     mergekit's TensorWriter) and a lazy state dict over them is returned: the candidate is never whole
     in memory (the search's `memory_budget`). Without it, the merged state dict is returned.
     """
-    from opd.weights.lazy import LazyStateDict
-
     _method(cand)
     _prepare(cand.strategy, expert_paths, cand.shared, cand.per_model, base_path)
     layers = layout_for(base_path) if cand.layerwise else None
     if cand.strategy not in RANDOM_METHODS:
         if out_dir is None:
             return merge_in_memory(cand, base_sd, expert_sds, layers)
-        from mergekit.io.tensor_writer import TensorWriter
+        from mergekit.io.tensor_writer import TensorWriter  # lazy: loads accelerate
 
         # shards of at most CHUNK_BYTES: each is written (and dropped) once full
         with TensorWriter(str(out_dir), max_shard_size=CHUNK_BYTES) as writer:
@@ -385,23 +370,20 @@ def merge_candidate(cand: Candidate, base_path: str, expert_paths: dict[str, str
         run_mergekit(mergekit_config(cand, base_path, expert_paths), str(out_dir), seed=cand.seed,
                      copy_tokenizer=False)
         return LazyStateDict(out_dir)
-    import tempfile
-
-    from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory(prefix="opd-merge-") as tmp:
         run_mergekit(mergekit_config(cand, base_path, expert_paths), tmp, seed=cand.seed, copy_tokenizer=False)
         out = {}
         for f in sorted(Path(tmp).glob("*.safetensors")):
-            out.update(load_file(f))
+            out.update(safetensors.torch.load_file(f))
         return out
 
 
 def run_mergekit(config: dict, out_dir: str, seed: int = 0, copy_tokenizer: bool = True) -> None:
     """Run a candidate's YAML through mergekit's own `run_merge` (the reference path)."""
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import run_merge
-    from mergekit.options import MergeOptions
+    from mergekit.config import MergeConfiguration  # lazy: loads transformers and huggingface_hub
+    from mergekit.merge import run_merge  # lazy: loads transformers and huggingface_hub
+    from mergekit.options import MergeOptions  # lazy: loads transformers and huggingface_hub
 
     cfg = MergeConfiguration.model_validate(config)
     # statistics are the experts' own: a method that takes a base (WUDI) reads none of it
@@ -420,13 +402,3 @@ def _prepare(method: str, paths: dict[str, str], shared: dict | None, per_model:
     (input id -> its parameters) carries the importances RegMean++'s statistics depend on."""
     if method in PREPARE:
         PREPARE[method](paths, shared or {}, per_model or {}, base)
-
-
-def merge_keys(sd: dict) -> dict:
-    """Drop tied aliases (lm_head sharing the embedding): mergekit merges each stored tensor once."""
-    seen, out = set(), {}
-    for k, t in sd.items():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            out[k] = t
-    return out

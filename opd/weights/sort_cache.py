@@ -62,7 +62,7 @@ CACHE = SortedMagnitudes()
 def magnitude(tensor: torch.Tensor, density: float, rescale_norm=None, *, original: Callable,
               cache: SortedMagnitudes):
     """`mergekit.sparsify.magnitude` with the sort taken from `cache` (same result)."""
-    from mergekit.sparsify import rescaled_masked_tensor
+    from mergekit.sparsify import rescaled_masked_tensor  # lazy: mergekit is slow to import
 
     n = tensor.numel()
     if density >= 1 or density <= 0 or n == 0 or not cache.cacheable(tensor):
@@ -82,7 +82,7 @@ def magnitude(tensor: torch.Tensor, density: float, rescale_norm=None, *, origin
 @contextlib.contextmanager
 def cached_magnitude(cache: SortedMagnitudes = CACHE) -> Iterator[SortedMagnitudes]:
     """Within the block, mergekit's magnitude sparsification reads its sort from `cache`."""
-    import mergekit.sparsify as sp
+    import mergekit.sparsify as sp  # lazy: mergekit is slow to import
 
     original = sp.magnitude
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergekit import merge_methods as mm
+from pydantic import ValidationError
+
 from opd.errors import OpdError
 from opd.merge.strategies.base import BuildContext, MergeInputs, ModelCard, Strategy
 from opd.weights.lazy import state_dict_bytes
@@ -36,8 +39,6 @@ class MergeStrategy(Strategy):
         return cand
 
     def check_inputs(self, n_experts: int) -> None:
-        from mergekit import merge_methods as mm
-
         ids = [f"e{i}" for i in range(n_experts)]
         if self.inputs == "pair":
             if n_experts not in (1, 2):
@@ -53,9 +54,6 @@ class MergeStrategy(Strategy):
     def check_params(self, params: dict[str, Any], distill) -> None:
         """Refuse a value the method's mergekit parameter does not take (a fixed value, either end of a
         range, a choice), as mergekit would at the first merge (e.g. wudi's `solver`, `data` >= 0)."""
-        from mergekit import merge_methods as mm
-        from pydantic import ValidationError
-
         specs = {p.name: p for p in mm.get(self.name).spec.parameters}
         for p, spec in params.items():
             for v in _values(spec):
