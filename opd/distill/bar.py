@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from opd.display import display, step_bar
 from opd.distill.config import DistillConfig
 
 
@@ -15,8 +16,6 @@ def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Cal
     if not enabled:
         yield None
         return
-    from opd.display import display, step_bar
-
     bar = step_bar()
     warm = bar.add_task(f"{name} warm start", total=cfg.warmstart_steps, info="",
                         visible=cfg.warmstart_steps > 0)

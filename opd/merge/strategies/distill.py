@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from opd.devices import place
 from opd.distill.config import DistillConfig
@@ -64,8 +66,6 @@ class DistillStrategy(Strategy):
             get_strategy(self.init).check_inputs(n_experts)
 
     def check_params(self, params: dict[str, Any], distill) -> None:
-        from pydantic import ValidationError
-
         if self.init not in ("base", "best"):  # a hybrid: its merge's parameters as that method checks them
             method = get_strategy(self.init)
             try:
@@ -200,8 +200,6 @@ def opd_student(inputs: MergeInputs, cand: Candidate, distill_cfg: DistillConfig
 def _trained(trial_dir: Path) -> tuple[dict, list[dict]]:
     """The finished student and its history. A kill between their writes and the checkpoint's removal
     left the checkpoint: nothing resumes from it once both are written, so it goes now."""
-    from safetensors.torch import load_file
-
     (trial_dir / "state.pt").unlink(missing_ok=True)
     return load_file(trial_dir / "student.safetensors"), json.loads((trial_dir / "history.json").read_text())
 
