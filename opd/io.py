@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 
 def pid_alive(pid: int) -> bool:
@@ -149,8 +151,6 @@ def atomic_torch_save(obj, path: str | os.PathLike, keep_previous: bool = False)
 
 
 def atomic_save_safetensors(tensors: dict, path: str | os.PathLike) -> None:
-    from safetensors.torch import save_file
-
     atomic_write_file(path, lambda tmp: save_file(tensors, tmp))
 
 
@@ -159,8 +159,6 @@ def exclusive_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Hold an exclusive lock on directory `path` (an flock on `<path>/.lock`, released when the
     process dies): two processes never train into the same directory. Raises RuntimeError at once
     when another process holds it."""
-    import fcntl
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)

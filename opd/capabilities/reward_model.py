@@ -23,8 +23,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from opd.capabilities import get_capability, list_capabilities
+from opd.capabilities.preference import LearnedRewardCapability
 from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash, tokenizer_hash
+from opd.rollout import SamplingParams, get_engine
 
 KIND = "reward_model"
 DEFAULT_ROOT = Path("runs/reward_models")
@@ -71,13 +74,8 @@ class RewardModelSettings(BaseModel):
 
 
 def learned_reward_capability(name: str):
-    from opd.capabilities import get_capability
-    from opd.capabilities.preference import LearnedRewardCapability
-
     cap = get_capability(name)
     if not isinstance(cap, LearnedRewardCapability):
-        from opd.capabilities import list_capabilities
-
         known = [c for c in list_capabilities() if isinstance(get_capability(c), LearnedRewardCapability)]
         raise OpdError(f"capability {name!r} has no reward model (it is verified); learned-reward capabilities: "
                        f"{', '.join(known)}")
@@ -86,7 +84,8 @@ def learned_reward_capability(name: str):
 
 def build_classifier(shape: ClassifierShape, tokenizer, seed: int):
     """A fresh one-label Qwen3 sequence classifier of `shape` on `tokenizer`'s ids."""
-    from transformers import AutoModelForSequenceClassification, Qwen3Config
+    # opd.expert.spec imports this module (default_dir); checking a spec must not load transformers
+    from transformers import AutoModelForSequenceClassification, Qwen3Config  # lazy: transformers (~0.85 s)
 
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=shape.hidden_size, num_hidden_layers=shape.num_hidden_layers,
@@ -102,8 +101,9 @@ def build_classifier(shape: ClassifierShape, tokenizer, seed: int):
 def base_classifier(base_dir: Path, seed: int):
     """The model at `base_dir` with a value head: its Qwen3 body under a fresh one-label score head
     (transformers loads the body's weights by name and initialises `score`, which the causal LM lacks)."""
+    # lazy: transformers, as in build_classifier
     from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # lazy: transformers, as above
 
     torch.manual_seed(seed)
     # transformers warns that `score` is missing from the checkpoint (utils/loading_report.py): it is the
@@ -200,7 +200,7 @@ def check_reward_model(path: str | Path, capability: str, tokenizer, field: str 
 
 def load_reward_model(path: str | Path, capability: str, tokenizer) -> RewardModel:
     """`check_reward_model`, then the model itself (CPU, float32)."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # lazy: transformers, as in build_classifier
 
     m = check_reward_model(path, capability, tokenizer)
     model = AutoModelForSequenceClassification.from_pretrained(Path(path), dtype=torch.float32)
@@ -215,9 +215,6 @@ def greedy_reward(reward_model: RewardModel, model, tokenizer, capability: str, 
     """The reward model's mean score of `model`'s greedy answers to `prompts` (rendered as the capability
     renders them, answered with lm-eval's token budget for opd's tasks): given the val prompts lm-eval
     screens with, the same answers the hidden rule scores there, so the two curves compare."""
-    from opd.capabilities import get_capability
-    from opd.rollout import SamplingParams, get_engine
-
     cap = get_capability(capability)
     texts = [cap.render(p, tokenizer) for p in prompts]
     engine = get_engine("embedded", model=model, tokenizer=tokenizer)

@@ -7,9 +7,11 @@ runs on N ranks under `deepspeed --num_gpus N --no_local_rank --module opd.disti
 from __future__ import annotations
 
 import argparse
+import sys
 
 from opd.console import add_verbose_flag, quiet_third_party
-from opd.errors import cli_main
+from opd.distill.config import load_run
+from opd.errors import cli_main, naming_file
 
 
 @cli_main
@@ -22,12 +24,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m opd.distill") -> 
     add_verbose_flag(ap)
     args = ap.parse_intermixed_args(argv)
     quiet_third_party(args.verbose)
-
-    import sys
-
-    from opd.distill.config import load_run
+    # lazy: opd.distill.run adds mergekit and rich (~70 ms) that --help and a bad run YAML need not load
     from opd.distill.run import run_distill
-    from opd.errors import naming_file
 
     naming_file(args.run, run_distill, load_run(args.run, args.overrides),
                 log=lambda m: print(m, file=sys.stderr, flush=True), fresh=args.fresh, evaluate=not args.no_eval)

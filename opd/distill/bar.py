@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from opd import display as live  # the module: `live.display` is read when a bar opens (tests swap it)
 from opd.distill.config import DistillConfig
 
 
@@ -15,9 +16,7 @@ def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Cal
     if not enabled:
         yield None
         return
-    from opd.display import display, step_bar
-
-    bar = step_bar()
+    bar = live.step_bar()
     warm = bar.add_task(f"{name} warm start", total=cfg.warmstart_steps, info="",
                         visible=cfg.warmstart_steps > 0)
     opd = bar.add_task(f"{name} OPD", total=cfg.steps, info="")
@@ -33,5 +32,5 @@ def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Cal
             info += f"  best val min retention {state.best_min_retention:.3f}@{state.best_step}"
         bar.update(opd, info=info)
 
-    with display.section("opd", lambda: bar):
+    with live.display.section("opd", lambda: bar):
         yield progress

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
+from opd.capabilities import get_capability
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.distill.ahead import Worker
@@ -148,8 +149,6 @@ class DistillConfig(BaseModel):
     @field_validator("capability_weights")
     @classmethod
     def _known_capabilities(cls, weights):
-        from opd.capabilities import get_capability
-
         for cap in weights or {}:
             try:
                 get_capability(cap)
@@ -159,8 +158,6 @@ class DistillConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        from opd.capabilities import get_capability
-
         for cap in list(self.routes or {}) + list(self.mix or {}):
             get_capability(cap)
         for cap, teachers in (self.routes or {}).items():
@@ -247,8 +244,6 @@ class DistillRun(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        from opd.capabilities import get_capability
-
         for i, t in enumerate(self.teachers):
             for task in (t.tasks or []) if isinstance(t, ExpertEntry) else []:
                 try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from opd_kernels import selective_log_softmax
 
 from opd.distill.batch import OpdBatch, teacher_outputs
@@ -340,7 +341,5 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
             if stop is not None and _shared(stop(rec), ranks.world):
                 break
     if ranks.world > 1:
-        import torch.distributed as dist
-
         dist.barrier()  # every rank's last checkpoint is written before rank 0 removes them
     return state

@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 
 from opd.cluster import Actors
+from opd.distill.config import TeacherActors
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, embedded_teacher
+from opd.errors import OpdError
 
 
 class TeacherHost:
@@ -129,9 +131,6 @@ def remote_teachers(cfg, teachers: dict[str, Teacher], routed: list[str], tokeni
                     ) -> tuple[dict[str, Teacher], RemoteBank | None]:
     """The routed teachers moved onto actors (cfg.teacher_actors): teachers whose engines run there,
     and for the full and top-k estimators a bank that gives their targets (None for sampled)."""
-    from opd.distill.config import TeacherActors
-    from opd.errors import OpdError
-
     settings = cfg.teacher_actors or TeacherActors()
     missing = [n for n in routed if teachers[n].model is None]
     if missing:

@@ -12,13 +12,18 @@ from opd.devices import fp32_state, place, resolve_device, resolve_dtype
 from opd.distill.config import DistillRun
 from opd.distill.routing import resolve_routes
 from opd.distill.student import train_student
+from opd.distill.teacher_bank import check_same_architecture
 from opd.distill.teachers import Teacher, embedded_teacher
 from opd.errors import OpdError
+from opd.evaluation.api import evaluate as lm_eval_score
 from opd.io import atomic_dir, atomic_write_json, state_dict_hash
-from opd.model_inputs import entry_name, hub_id, write_model_card
+from opd.manifest import load_manifest, resolve_expert
+from opd.model_inputs import OpenedExpert, entry_name, hub_id, open_experts, write_model_card
 from opd.paths import check_output, require_model_dir, require_same_tokenizer
+from opd.rl.distributed import deepspeed_wrap, init_distributed
 from opd.rollout import get_engine
 from opd.tracking import Tracker, open_tracker, tracking_dir
+from opd.weights.merge import Candidate, merge_candidate, merge_keys
 
 
 def load_teachers(names: list, tokenizer, servers: dict[str, str] | None = None, device: str = "cpu",
@@ -29,10 +34,8 @@ def load_teachers(names: list, tokenizer, servers: dict[str, str] | None = None,
     URL) serving its tasks, and its record (as a dict) by teacher name. With `base`, every teacher is
     checked against it (architecture, tensors, tokenizer content: opd.model_inputs) before any weights
     load; without, opd experts' tokenizers against `tokenizer`."""
+    # lazy: transformers' Auto classes add ~0.45 s to `python -m opd.distill`'s start, a bad run YAML's too
     from transformers import AutoModelForCausalLM
-
-    from opd.manifest import load_manifest, resolve_expert
-    from opd.model_inputs import OpenedExpert, open_experts
 
     if base is not None:
         opened = open_experts(list(names), base, what="teacher")
@@ -67,9 +70,7 @@ def teacher_references(routes, manifests: dict[str, dict]) -> dict[str, float]:
 
 def init_student(run: DistillRun, teachers: dict[str, Teacher], manifests: dict[str, dict]):
     """The student's starting weights: the base, a model directory, or a weight-space merge of the teachers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opd.weights.merge import Candidate, merge_candidate, merge_keys
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: Auto classes, as in load_teachers
 
     src = require_model_dir(run.base, "base", "set base= to a model directory") if run.student == "base" \
         else require_model_dir(run.student, "student", "give a model directory or 'base'")
@@ -96,10 +97,7 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
     With `run.deepspeed`, under a launcher every rank calls this; rank 0 writes and returns the
     manifest, the others return {}.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from opd.distill.teacher_bank import check_same_architecture
-    from opd.evaluation.api import evaluate as lm_eval_score
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # lazy: as in load_teachers
 
     torch.set_num_threads(run.threads)
     out = check_output(run.out_dir, "out" if run.out else "name", kind="distilled")
@@ -109,8 +107,6 @@ def run_distill(run: DistillRun, log=print, fresh: bool = False, evaluate: bool 
         require_model_dir(run.student, "student", "give a model directory (e.g. runs/merge/<name>/best) or 'base'")
     wrap, rank, world = None, 0, 1
     if run.deepspeed is not None:
-        from opd.rl.distributed import deepspeed_wrap, init_distributed
-
         rank, world = init_distributed()
         wrap = deepspeed_wrap(run.distill.grad_clip, run.deepspeed)
         if rank:

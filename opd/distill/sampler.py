@@ -28,6 +28,7 @@ from opd.distill.ahead import start_ahead
 from opd.distill.batch import OpdBatch, build_batch, sample_batch
 from opd.distill.config import DistillConfig
 from opd.distill.precision import resolve_inference_dtype
+from opd.distill.remote import remote_teachers
 from opd.distill.routing import Routes
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher
@@ -79,8 +80,6 @@ class Sampler:
         routed = sorted({t for ts in routes.values() for t in ts})
         self.bank = None
         if cfg.teachers_on != "local":  # the same bank and engines, served by actors (opd.distill.remote)
-            from opd.distill.remote import remote_teachers
-
             teachers, self.bank = remote_teachers(cfg, teachers, routed, tokenizer, dtype if cast else None)
         elif cfg.teacher_forward == "stacked" and all(teachers[n].model is not None for n in routed):
             self.bank = TeacherBank(teachers, routed, dtype if cast else None)

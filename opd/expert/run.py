@@ -11,8 +11,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from opd.capabilities.reward_model import greedy_reward, load_reward_model
 from opd.devices import dtype_tag, place, resolve_device, resolve_dtype
 from opd.evaluation.api import evaluate
+from opd.evaluation.heldout import heldout_items
 from opd.expert.build import base_capabilities, default_out, load_base, write_expert
 from opd.expert.spec import ExpertSpec, same_spec
 from opd.expert.trainer import train
@@ -32,9 +34,6 @@ def run_expert(spec: ExpertSpec, out: Path | None = None, fresh: bool = False) -
     model, tok = load_base(base_dir)
     reward_model = None
     if spec.reward_model_dir is not None:  # refused before anything is written: missing, or another tokenizer's
-        from opd.capabilities.reward_model import greedy_reward, load_reward_model
-        from opd.evaluation.heldout import heldout_items
-
         val_prompts = [it["prompt"] for it in heldout_items(spec.capability, "val")[: spec.eval_limit]]
         reward_model = load_reward_model(spec.reward_model_dir, spec.capability, tok)
     base_hash = state_dict_hash(model)  # of the float32 weights, before `place` casts them

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opd.capabilities import get_capability
 from opd.capabilities.preference import LearnedRewardCapability
+from opd.capabilities.reward_model import default_dir
 from opd.config import load_yaml_model
 from opd.devices import DeviceName, DtypeName
 from opd.expert.settings import GSPOConfig, GSPORun
@@ -88,8 +89,6 @@ class ExpertSpec(BaseModel):
         """The reward model the expert trains on (reward: reward_model), else None."""
         if self.reward != "reward_model":
             return None
-        from opd.capabilities.reward_model import default_dir
-
         return self.reward_model or str(default_dir(self.capability))
 
     def run_settings(self) -> GSPORun:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from opd.capabilities import get_capability, prompt_texts
 from opd.capabilities.reward_model import load_reward_model
@@ -142,8 +143,6 @@ def gspo_step(model, opt, ref_model, kept, g: GSPOConfig, pad_id: int, backward=
 def _same_size_on_all_ranks(kept: list) -> list:
     """DeepSpeed needs the same number of backward calls on every rank: keep the smallest count
     of groups any rank kept (0 everywhere means every rank skips the update)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return kept
     return kept[: ranks_min(len(kept))]

@@ -7,15 +7,19 @@ import html
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import yaml
 from rich.table import Table
 
+from opd.errors import OpdError
 from opd.io import atomic_dir, atomic_write_json, atomic_write_text, state_dict_hash
 from opd.merge import trials
+from opd.merge.headline import capability_rows, headline_md, missing_strategies, strategy_rows
 from opd.merge.history import what_changed_md
-from opd.merge.interference import as_table
+from opd.merge.interference import Cell, as_table
+from opd.merge.recipe import MergeRecipe
 from opd.merge.strategies import BuildContext, get_strategy
 from opd.model_inputs import write_model_card
 from opd.weights.lazy import load_into
@@ -50,7 +54,7 @@ def trial_line(trial, done: int, n_trials: int | None) -> str:
 
 
 def _png(fig) -> bytes:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib, as in plot_all (a caller has loaded it)
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -60,10 +64,11 @@ def _png(fig) -> bytes:
 
 def plot_all(summary: dict, matrix: dict) -> dict[str, bytes]:
     """PNG bytes per plot: retention heatmap, Pareto front, per-strategy best, search history."""
+    # lazy: matplotlib (~0.3 s) only for plots; `opd merge` imports this module before it checks a recipe
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib, as above
 
     plots = {}
     cands, caps, vals = as_table(matrix["test"], "retention")
@@ -149,10 +154,11 @@ WEIGHTSPACE_HOWTO = ("Each panel compares the experts' task vectors (expert − 
 
 def weightspace_plots(ws: dict) -> dict[str, bytes]:
     """One PNG per metric of `summary["weightspace"]`: an expert x expert heatmap per layer group."""
+    # lazy: matplotlib (~0.3 s) only for plots; `opd merge` imports this module before it checks a recipe
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib, as above
 
     names, groups = ws["experts"], ws["groups"]
     n = len(names)
@@ -255,8 +261,6 @@ def _html_table(cells, split: str) -> str:
 
 def _inline_md(text: str) -> str:
     """Escape, then render the two inline Markdown marks the intro uses (**bold**, `code`)."""
-    import re
-
     out = html.escape(text)
     out = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", out)
@@ -330,8 +334,6 @@ def expert_rows(summary: dict) -> dict[str, str]:
 
 def headline(summary: dict) -> str:
     """The report's headline section (Markdown) from a results summary."""
-    from opd.merge.headline import capability_rows, headline_md, missing_strategies, strategy_rows
-
     cells, experts = summary["matrix"]["test"], expert_rows(summary)
     rows = capability_rows(cells, summary["best"], experts)
     best = strategy_rows(cells, summary["final"], experts)
@@ -361,8 +363,6 @@ def _md_html(title: str, md: str) -> str:
 
 
 def _json(obj) -> str:
-    import json
-
     return json.dumps(obj, indent=2, default=str)
 
 
@@ -427,10 +427,6 @@ def _input_md(i: dict) -> str:
 def rewrite_report(run_dir: str | Path, log=print) -> Path:
     """Render a finished run's report again from its results.json (after an opd upgrade, or to print
     its headline); scores nothing and trains nothing. Returns report.html's path."""
-    from opd.errors import OpdError
-    from opd.merge.interference import Cell
-    from opd.merge.recipe import MergeRecipe
-
     run_dir = Path(run_dir)
     path = run_dir / "results.json"
     if not path.is_file():

@@ -25,7 +25,11 @@ import socket
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
+import torch
+import torch.distributed as dist
+from pydantic import AfterValidator, ValidationError
+
+from opd.errors import OpdError
 
 # What torchrun and the deepspeed launcher export for every rank.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -56,8 +60,6 @@ def init_process_env() -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         if os.environ["WORLD_SIZE"] != "1":
-            from opd.errors import OpdError
-
             raise OpdError("DeepSpeed: RANK and WORLD_SIZE are set but MASTER_PORT is not; launch with "
                            "torchrun or the deepspeed launcher, which set all of " + ", ".join(LAUNCHER_VARS))
         os.environ["MASTER_PORT"] = str(_free_port())
@@ -66,9 +68,7 @@ def init_process_env() -> tuple[int, int]:
 
 def init_distributed() -> tuple[int, int]:
     """Join the process group (once; later calls are no-ops); returns (rank, world_size)."""
-    import deepspeed
-    import torch
-    import torch.distributed as dist
+    import deepspeed  # lazy: deepspeed (seconds, optional on CPU): only a run with a `deepspeed:` fragment pays
 
     init_process_env()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
@@ -100,8 +100,6 @@ def check_fragment(fragment: dict) -> None:
     """Refuse a config fragment the loops cannot run, in one line (ValueError): keys the loop owns,
     a ZeRO stage other than 1 or 2 (stage 3 partitions the weights the rollout engine samples
     from), or what DeepSpeed's own config parser rejects."""
-    from pydantic import ValidationError
-
     owned = [k for k in OWNED_KEYS if k in fragment]
     if owned:
         raise ValueError(f"{', '.join(owned)}: set by the loop (torch AdamW, its lr schedule, one step per "
@@ -112,6 +110,7 @@ def check_fragment(fragment: dict) -> None:
     stage = cfg["zero_optimization"].get("stage")
     if stage not in (1, 2):
         raise ValueError(f"zero_optimization.stage: {stage!r}; ZeRO stage 1 or 2 (default 2)")
+    # lazy: deepspeed, as in init_distributed: a spec without a fragment never gets here
     from deepspeed.runtime.config import DeepSpeedConfig
 
     try:
@@ -134,7 +133,7 @@ def deepspeed_wrap(grad_clip: float, fragment: dict | None = None):
     """
 
     def wrap(model, opt):
-        import deepspeed
+        import deepspeed  # lazy: deepspeed, as in init_distributed
 
         init_distributed()
         engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt,
@@ -158,12 +157,10 @@ def load_optimizer_state(opt, state: dict) -> None:
     same kind of engine, after `wrap`. `state` is this rank's own; the list DeepSpeed takes is
     indexed by data-parallel rank.
     """
-    import torch
-
     if isinstance(opt, torch.optim.Optimizer):  # plain torch: no DeepSpeed import on this path
         opt.load_state_dict(state)
         return
-    import torch.distributed as dist
+    # lazy: deepspeed, as in init_distributed (a plain torch optimizer returned above)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not isinstance(opt, DeepSpeedZeroOptimizer):
@@ -176,9 +173,10 @@ def load_optimizer_state(opt, state: dict) -> None:
 def zero_checkpoint_globals() -> list:
     """The DeepSpeed classes inside a ZeRO-1/2 optimizer's `state_dict()`, for
     `torch.serialization.safe_globals` around `torch.load(..., weights_only=True)`."""
+    # lazy: deepspeed, as in init_distributed: only a ZeRO checkpoint's load asks for these
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: deepspeed, as above
+    from deepspeed.utils.tensor_fragment import fragment_address  # lazy: deepspeed, as above
 
     return [LossScaler, ZeroStageEnum, fragment_address]
 
@@ -192,8 +190,6 @@ def rank_path(path: Path, rank: int) -> Path:
 
 def rank0_value(obj):
     """Rank 0's `obj` on every rank (a decision all ranks must share: keep-best, stop)."""
-    import torch.distributed as dist
-
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -208,9 +204,6 @@ def ranks_min(n: int) -> int:
 
 
 def _all_reduce(n: int, op: str) -> int:
-    import torch
-    import torch.distributed as dist
-
     # NCCL reduces only CUDA tensors (each rank's current device, which DeepSpeed set to its local GPU)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([n], dtype=torch.long, device=device)
@@ -220,8 +213,6 @@ def _all_reduce(n: int, op: str) -> int:
 
 def common_step(steps: list[int]) -> int | None:
     """The latest of `steps` (this rank's resumable checkpoint steps) that every rank holds."""
-    import torch.distributed as dist
-
     every: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, sorted(steps))
     shared = set(every[0]).intersection(*every[1:])
@@ -233,8 +224,6 @@ def optimizer_step(loss, opt, params, grad_clip: float, backward=None) -> float:
     `backward` from `deepspeed_wrap` (which clips and steps itself). Returns the gradient norm."""
     if backward is not None:
         return backward(loss)
-    import torch
-
     opt.zero_grad(set_to_none=True)
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)

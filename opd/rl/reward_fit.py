@@ -25,6 +25,7 @@ from opd.capabilities.reward_model import (
 )
 from opd.errors import OpdError
 from opd.io import state_dict_hash, tokenizer_hash
+from opd.manifest import code_version
 from opd.rl.preference_loss import bradley_terry_loss
 
 
@@ -33,8 +34,6 @@ def train_reward_model(settings: RewardModelSettings, tokenizer, out: Path, log=
     """Fit the reward model of `settings.capability` on its rule's train pairs, measure it on held-out
     pairs (val prompts), and write it with its manifest to `out`. Returns the manifest. `base_dir`: the
     model directory `init: base` starts from (its tokenizer is `tokenizer`)."""
-    from opd.manifest import code_version
-
     torch.set_num_threads(settings.threads)
     cap = learned_reward_capability(settings.capability)
     train = cap.pairs("train", settings.pairs, seed=settings.seed, spurious=settings.spurious)

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+from pydantic import ValidationError
 
 from opd.devices import place
 from opd.distill.config import DistillConfig
@@ -64,8 +66,6 @@ class DistillStrategy(Strategy):
             get_strategy(self.init).check_inputs(n_experts)
 
     def check_params(self, params: dict[str, Any], distill) -> None:
-        from pydantic import ValidationError
-
         if self.init not in ("base", "best"):  # a hybrid: its merge's parameters as that method checks them
             method = get_strategy(self.init)
             try:
@@ -200,10 +200,9 @@ def opd_student(inputs: MergeInputs, cand: Candidate, distill_cfg: DistillConfig
 def _trained(trial_dir: Path) -> tuple[dict, list[dict]]:
     """The finished student and its history. A kill between their writes and the checkpoint's removal
     left the checkpoint: nothing resumes from it once both are written, so it goes now."""
-    from safetensors.torch import load_file
-
     (trial_dir / "state.pt").unlink(missing_ok=True)
-    return load_file(trial_dir / "student.safetensors"), json.loads((trial_dir / "history.json").read_text())
+    history = json.loads((trial_dir / "history.json").read_text())
+    return safetensors.torch.load_file(trial_dir / "student.safetensors"), history
 
 
 def _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir: Path, evaluate_fn, references, log, live,
