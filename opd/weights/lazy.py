@@ -176,8 +176,10 @@ def merge_streamed(models: Mapping, ids: Sequence, name: str, method: str, param
                    budget: int) -> torch.Tensor | None:
     """Tensor `name` merged by `method` reading one input (or one block of rows) at a time, with
     about `budget` bytes of blocks at once; None where `method` has no such path for this tensor (the
-    caller then hands the whole tensor group to mergekit). Same numbers as mergekit's method on the
-    whole tensor (tests/test_lazy_streamed.py), TIES up to magnitudes tied at a task vector's cut."""
+    caller then hands the whole tensor group to mergekit). Mergekit's method on the whole tensor
+    (tests/test_lazy_streamed.py): the same operations, so the same numbers up to the order torch adds
+    a block's N inputs in, which it picks by the block's shape (1 ulp seen), and for TIES the choice
+    among magnitudes tied at a task vector's cut."""
     from opd.weights import regmean, subspace
 
     inp = TensorInputs(models, ids, name, base)
@@ -223,12 +225,21 @@ def merge_rows(inp: TensorInputs, method: str, params: dict, budget: int) -> tor
     from mergekit.merge_methods import merge_state_dicts
 
     step = inp.row_step(budget, len(inp.ids) * TEMPORARIES.get(method, 2))
-    blocks = []
+    out = None  # filled block by block: a concatenation would hold the tensor twice
     for lo in range(0, inp.shape[0], step):
         chunk = {i: {inp.name: inp.rows(i, lo, lo + step)} for i in inp.ids}
-        blocks.append(merge_state_dicts(chunk, method, parameters=params, base=inp.base)[inp.name])
-        del chunk
-    return torch.cat(blocks)
+        block = merge_state_dicts(chunk, method, parameters=params, base=inp.base)[inp.name]
+        out = _fill(out, inp.shape, lo, block)
+        del chunk, block
+    return out
+
+
+def _fill(out: torch.Tensor | None, shape: tuple, lo: int, block: torch.Tensor) -> torch.Tensor:
+    """`block` written into rows lo: of `out` (allocated with the block's dtype at the first block)."""
+    if out is None:
+        out = torch.empty(shape, dtype=block.dtype)
+    out[lo:lo + block.shape[0]] = block
+    return out
 
 
 class _Trim:
@@ -257,29 +268,49 @@ def _trim(inp: TensorInputs, expert, density: float, rescale: bool, step: int) -
     """The cut mergekit's `sparsify.magnitude` makes in expert `expert`'s whole task vector δ = expert −
     base (mergekit/sparsify.py: the k = max(1, int(density · numel)) largest |δ| by
     `argsort(descending=True)[:k]`, then `rescaled_masked_tensor`, L1 when `rescale`). None: density
-    >= 1 keeps everything. |δ| is built a block of `step` rows at a time (the expert and the base are
-    never whole in memory), then its k-th largest t comes from `torch.kthvalue` (a selection, no sort).
+    >= 1 keeps everything.
 
-    Where several elements tie at t, argsort keeps some of them in an order it does not promise; here
-    the first ones in row-major order (what a stable argsort keeps). Zero magnitudes at the cut change
-    nothing: a zero delta adds nothing, and TIES's sign vote never counts a zero."""
+    The k-th largest magnitude t is found exactly without holding δ: non-negative float32 values order
+    as their bit patterns read as integers, so two passes over blocks of `step` rows count the
+    patterns' high 16 bits, then the low 16 bits within the high half that holds the k-th (two
+    histograms of 2^15 and 2^16 counts). Where several elements tie at t, argsort keeps some of them
+    in an order it does not promise; here the first ones in row-major order (what a stable argsort
+    keeps). Zero magnitudes at the cut change nothing: a zero delta adds nothing, and TIES's sign vote
+    never counts a zero. The L1 rescale's two sums are added block by block (mergekit sums the whole
+    tensor at once: the same up to float rounding)."""
     n = math.prod(inp.shape)
     if density >= 1:
         return None
     if density <= 0 or n == 0:
         return _Trim(float("inf"), 0, None)
     k = max(1, int(density * n))
-    w = torch.empty(n, dtype=torch.float32)  # |δ| flat, as mergekit's float magnitudes
-    row = max(1, math.prod(inp.shape[1:]))
-    for lo in range(0, inp.shape[0], step):
-        d = inp.rows(expert, lo, lo + step) - inp.rows(inp.base, lo, lo + step)
-        w[lo * row:lo * row + d.numel()] = d.abs().reshape(-1)
-    t = float(torch.kthvalue(w, n - k + 1).values)
-    trim = _Trim(t, k - int((w > t).sum()), None)
+
+    def bits():  # |δ| of each block as float32 bit patterns (int32, flat), in row order
+        for lo in range(0, inp.shape[0], step):
+            d = inp.rows(expert, lo, lo + step) - inp.rows(inp.base, lo, lo + step)
+            yield d.abs().float().reshape(-1).view(torch.int32)
+
+    high = torch.zeros(1 << 15, dtype=torch.int64)  # a magnitude's sign bit is 0: its pattern >> 16 < 2^15
+    for b in bits():
+        high += torch.bincount(b >> 16, minlength=1 << 15)
+    at_least = high.flip(0).cumsum(0).flip(0)  # at_least[h]: elements whose high bits are >= h
+    h = int((at_least >= k).nonzero().max())
+    above = int(at_least[h] - high[h])  # elements in higher bins: all > t
+    low = torch.zeros(1 << 16, dtype=torch.int64)
+    for b in bits():
+        low += torch.bincount(b[(b >> 16) == h] & 0xFFFF, minlength=1 << 16)
+    at_least = low.flip(0).cumsum(0).flip(0)
+    lo_bits = int((at_least >= k - above).nonzero().max())
+    greater = above + int(at_least[lo_bits] - low[lo_bits])
+    t = torch.tensor([(h << 16) | lo_bits], dtype=torch.int32).view(torch.float32).item()
+    trim = _Trim(t, k - greater, None)
     if rescale:  # mergekit's L1 rescale: Σ|δ| and Σ|δ ⊙ mask| over the whole tensor
-        mask = trim.apply(w)
+        before = after = 0.0
+        for b in bits():
+            w = b.view(torch.float32)
+            before += w.sum()
+            after += trim.apply(w).sum()
         trim.seen = 0
-        before, after = w.sum(), mask.sum()
         eps = 1e-7  # rescaled_masked_tensor's default
         trim.scale = None if before < eps or after < eps else before / after
     return trim
@@ -298,7 +329,7 @@ def ties(inp: TensorInputs, params: dict, budget: int) -> torch.Tensor:
     step = inp.row_step(budget, len(inp.ids) * TEMPORARIES["ties"])
     trims = {i: _trim(inp, i, v["density"][i], v["rescale"], step) for i in inp.experts}
     block_params = {**v, "density": {i: 1.0 for i in inp.experts}, "rescale": False}
-    blocks = []
+    out = None
     for lo in range(0, inp.shape[0], step):
         b = inp.rows(inp.base, lo, lo + step)
         chunk = {inp.base: {inp.name: torch.zeros_like(b)}}
@@ -306,6 +337,6 @@ def ties(inp: TensorInputs, params: dict, budget: int) -> torch.Tensor:
             d = inp.rows(i, lo, lo + step) - b
             chunk[i] = {inp.name: d if trims[i] is None else trims[i].apply(d)}
         merged = merge_state_dicts(chunk, "ties", parameters=block_params, base=inp.base)[inp.name]
-        blocks.append((b + merged).to(b.dtype))
+        out = _fill(out, inp.shape, lo, (b + merged).to(b.dtype))
         del chunk, merged
-    return torch.cat(blocks)
+    return out

@@ -305,7 +305,7 @@ def _average_rows(inp, importance: Sequence[float], budget: int) -> Tensor:
     """`merge_tensor`'s fallback, the weighted average in float64, a block of rows at a time."""
     c = _importance(inp.ids, importance)
     step = inp.row_step(budget, 3)
-    blocks = []
+    out = None  # filled block by block: a concatenation would hold the tensor twice
     for lo in range(0, inp.shape[0], step):
         acc, out_dtype = None, None
         for ci, i in zip(c, inp.ids):
@@ -313,8 +313,11 @@ def _average_rows(inp, importance: Sequence[float], budget: int) -> Tensor:
             out_dtype = out_dtype or w.dtype
             t = ci * w.to(torch.float64)
             acc = t if acc is None else acc + t
-        blocks.append((acc / sum(c)).to(out_dtype))
-    return torch.cat(blocks)
+        block = (acc / sum(c)).to(out_dtype)
+        if out is None:
+            out = torch.empty(tuple(inp.shape), dtype=out_dtype)
+        out[lo:lo + block.shape[0]] = block
+    return out
 
 
 def _importance(weights: Sequence[Tensor], importance: Sequence[float] | None) -> list[float]:
