@@ -1,25 +1,25 @@
 """Peak memory and seconds per merged candidate as the number of experts grows (docs/memory.md).
 
-    python bench/bench_scale.py --quick          # 0.1B, N = 4 and 10 (a few minutes on 2 cores)
+    python bench/bench_scale.py --quick          # 0.1B, N = 4 and 10
     python bench/bench_scale.py                  # 0.1B and 0.5B, N = 4, 10 and 20
     python bench/bench_scale.py --tiny           # pico models, N = 2 and 3 (the test's fast path)
 
-A synthetic Qwen3 base of the size (random weights from a transformers Qwen3Config) and N experts
-= base + a random rank-4 update + a random 1%-sparse update per tensor, written as safetensors one
-tensor run at a time (mergekit's TensorWriter), so building them does not hold N models. Each
-(method, N) merges one candidate in a fresh subprocess, as the search does when the candidate is
-over `memory_budget`: the inputs read tensor by tensor from disk (opd.weights.lazy), the candidate
-written to disk tensor by tensor. The child reports its peak RSS (VmHWM of /proc/self/status) over
-the merge, and for RegMean, separately, over its statistics pass (`prepare`: the peak is reset in
-between by writing 5 to /proc/self/clear_refs). RegMean's statistics come from opd's own path
-(opd.weights.regmean.prepare) on a small calibration batch: 8 train prompts of the lab's `add`
+A synthetic Qwen3 base of the size (random weights from a transformers Qwen3Config, Qwen3's vocabulary)
+and N experts = base + a random rank-4 update + 1% of the entries moved, per tensor, written as
+safetensors one tensor run at a time (mergekit's TensorWriter), so building them does not hold N
+models. `--dir` keeps them for the next run (then nothing is rebuilt). Each (method, N) merges one
+candidate in a fresh subprocess, as the search does when the candidate is over `memory_budget`: the
+inputs read tensor by tensor from disk (opd.weights.lazy), the candidate written to disk tensor by
+tensor. The child reports its peak RSS (VmHWM of /proc/self/status) over the merge, and for RegMean,
+separately, over its statistics pass (`prepare`; freed heap is returned with malloc_trim and the peak
+reset in between by writing 5 to /proc/self/clear_refs). RegMean's statistics come from opd's own
+path (opd.weights.regmean.prepare) on a small calibration batch: 8 train prompts of the lab's `add`
 capability per expert, prompt tokens only (inputs=prompt).
 
-Prints the torch thread count, one line per (method, N) (start_MiB: the resident set when the merge
-starts: the interpreter, torch, transformers, mergekit and opd imported; for RegMean also what its
-statistics pass left), the ratios N_max/N_min of peak RSS and of
-seconds, and last `peak_rss_over_model: X.XX`: the largest merge peak RSS over one model's size
-(float32 bytes) among the methods and N it ran.
+Prints the torch thread count and load, one line per (method, N) (start_MiB: the resident set when
+the merge starts: the interpreter, torch, transformers, mergekit and opd imported), the ratios
+N_max/N_min of peak RSS and of seconds, the wall time, and last `peak_rss_over_model: X.XX`: the
+largest merge peak RSS over one model's size (float32 bytes) among the methods and N it ran.
 """
 
 from __future__ import annotations
@@ -198,6 +198,7 @@ def main() -> None:
     sizes = args.sizes or (["pico"] if args.tiny else ["0.1B"] if args.quick else ["0.1B", "0.5B"])
     ns = args.n or ([2, 3] if args.tiny else [4, 10] if args.quick else [4, 10, 20])
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="opd-bench-scale-"))
+    wall = time.perf_counter()
     print(f"torch threads: {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; "
           f"methods {args.methods}; N {ns}; sizes {sizes}")
     worst = 0.0
@@ -241,6 +242,7 @@ def main() -> None:
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+    print(f"wall {time.perf_counter() - wall:.0f} s; load average {os.getloadavg()[0]:.2f}")
     print(f"peak_rss_over_model: {worst:.2f}")
 
 

@@ -173,7 +173,7 @@ def test_regmean_running_sums_are_regmean_merge():
 
 def test_float32_statistics_merge_within_tolerance_of_float64(lab3, monkeypatch):
     """RegMean with its statistics stored in float32 (half the bytes) against float64, on the pico
-    lab: the merged weights differ by at most 2e-6 (measured: about 3e-7; the weights are about 0.1)."""
+    lab: the merged weights differ by at most 2e-6 (measured here: 9.5e-8, on weights of magnitude up to 1)."""
     lab, sds = lab3
     experts = list(lab["experts"])
     paths = {e: str(lab["experts"][e]) for e in experts}
