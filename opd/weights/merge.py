@@ -217,13 +217,16 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
     out: dict[str, torch.Tensor] = {}
     # Each task vector's magnitudes sorted once per search, when they all fit the sort cache. Past its
     # size the LRU would evict every entry before its next use (a merge visits the tensors in order)
-    # and hold its full size in memory for nothing: then a cache of one tensor's size keeps only the
-    # faster sort (opd.weights.sort_cache), and memory stays one sorted tensor.
-    fits = sum(sizes) * len(experts) <= SORT_CACHE.max_bytes
-    sorted_once = cached_magnitude() if fits else cached_magnitude(SortedMagnitudes(max(sizes, default=0)))
-    torch.manual_seed(cand.seed)
-    # a run holds inputs and the method's temporaries on them within chunk_bytes (opd.weights.lazy)
+    # and hold its full size in memory for nothing: then a cache of one tensor's size (the largest a
+    # run merges; larger ones are cut without sorting) keeps only the faster sort
+    # (opd.weights.sort_cache), and memory stays one sorted tensor.
+    # a run holds inputs and the method's temporaries on them within chunk_bytes (opd.weights.lazy);
+    # a tensor too large for one (N copies over `budget`) is merged one input at a time, unsorted
     budget = chunk_bytes // TEMPORARIES.get(m.name, 1)
+    in_runs = [size for size in sizes if size * len(ids) <= budget]
+    fits = sum(sizes) * len(experts) <= SORT_CACHE.max_bytes
+    sorted_once = cached_magnitude() if fits else cached_magnitude(SortedMagnitudes(max(in_runs, default=0)))
+    torch.manual_seed(cand.seed)
     with torch.no_grad(), sorted_once:
         for run in _runs(names, sizes, len(ids), budget):
             # mergekit's PerGroupValues hold one value per tensor of the state dicts it is given
