@@ -84,6 +84,8 @@ def test_ties_cut_is_the_kth_largest_magnitude(density):
     delta = torch.randn(40, 25, generator=g) * (torch.rand(40, 25, generator=g) < 0.5)
     inp = TensorInputs({"base": {"x": torch.zeros_like(delta)}, "e": {"x": delta}}, ["base", "e"], "x", "base")
     trim = lazy._trim(inp, "e", density=density, rescale=False, step=3)
+    whole = lazy._trim(inp, "e", density=density, rescale=False, step=3, budget=10**6)  # kthvalue
+    assert (whole.t, whole.ties) == (trim.t, trim.ties)
     k = max(1, int(density * delta.numel()))
     w = delta.abs().reshape(-1)
     assert trim.t == torch.kthvalue(w, w.numel() - k + 1).values.item()

@@ -264,7 +264,7 @@ class _Trim:
         return masked if self.scale is None else masked * self.scale
 
 
-def _trim(inp: TensorInputs, expert, density: float, rescale: bool, step: int) -> _Trim | None:
+def _trim(inp: TensorInputs, expert, density: float, rescale: bool, step: int, budget: int = 0) -> _Trim | None:
     """The cut mergekit's `sparsify.magnitude` makes in expert `expert`'s whole task vector δ = expert −
     base (mergekit/sparsify.py: the k = max(1, int(density · numel)) largest |δ| by
     `argsort(descending=True)[:k]`, then `rescaled_masked_tensor`, L1 when `rescale`). None: density
@@ -273,7 +273,8 @@ def _trim(inp: TensorInputs, expert, density: float, rescale: bool, step: int) -
     The k-th largest magnitude t is found exactly without holding δ: non-negative float32 values order
     as their bit patterns read as integers, so two passes over blocks of `step` rows count the
     patterns' high 16 bits, then the low 16 bits within the high half that holds the k-th (two
-    histograms of 2^15 and 2^16 counts). Where several elements tie at t, argsort keeps some of them
+    histograms of 2^15 and 2^16 counts); where one expert's whole tensor, read with the base's, fits
+    `budget` bytes, it is read once and t is its `torch.kthvalue`. Where several elements tie at t, argsort keeps some of them
     in an order it does not promise; here the first ones in row-major order (what a stable argsort
     keeps). Zero magnitudes at the cut change nothing: a zero delta adds nothing, and TIES's sign vote
     never counts a zero. The L1 rescale's two sums are added block by block (mergekit sums the whole
@@ -290,19 +291,13 @@ def _trim(inp: TensorInputs, expert, density: float, rescale: bool, step: int) -
             d = inp.rows(expert, lo, lo + step) - inp.rows(inp.base, lo, lo + step)
             yield d.abs().float().reshape(-1).view(torch.int32)
 
-    high = torch.zeros(1 << 15, dtype=torch.int64)  # a magnitude's sign bit is 0: its pattern >> 16 < 2^15
-    for b in bits():
-        high += torch.bincount(b >> 16, minlength=1 << 15)
-    at_least = high.flip(0).cumsum(0).flip(0)  # at_least[h]: elements whose high bits are >= h
-    h = int((at_least >= k).nonzero().max())
-    above = int(at_least[h] - high[h])  # elements in higher bins: all > t
-    low = torch.zeros(1 << 16, dtype=torch.int64)
-    for b in bits():
-        low += torch.bincount(b[(b >> 16) == h] & 0xFFFF, minlength=1 << 16)
-    at_least = low.flip(0).cumsum(0).flip(0)
-    lo_bits = int((at_least >= k - above).nonzero().max())
-    greater = above + int(at_least[lo_bits] - low[lo_bits])
-    t = torch.tensor([(h << 16) | lo_bits], dtype=torch.int32).view(torch.float32).item()
+    if 4 * 4 * n <= budget:  # expert, base, δ and |δ| whole: one read, a selection
+        w = (inp.read(expert) - inp.read(inp.base)).abs().float().reshape(-1)
+        t = float(torch.kthvalue(w, n - k + 1).values)
+        greater = int((w > t).sum())
+        del w
+    else:
+        t, greater = _kth_by_histograms(bits, k)
     trim = _Trim(t, k - greater, None)
     if rescale:  # mergekit's L1 rescale: Σ|δ| and Σ|δ ⊙ mask| over the whole tensor
         before = after = 0.0
@@ -316,6 +311,24 @@ def _trim(inp: TensorInputs, expert, density: float, rescale: bool, step: int) -
     return trim
 
 
+def _kth_by_histograms(bits, k: int) -> tuple[float, int]:
+    """(t, the count of elements > t): t the k-th largest of the magnitudes whose float32 bit patterns
+    `bits()` yields block by block, found by two passes over them."""
+    high = torch.zeros(1 << 15, dtype=torch.int64)  # a magnitude's sign bit is 0: its pattern >> 16 < 2^15
+    for b in bits():
+        high += torch.bincount(b >> 16, minlength=1 << 15)
+    at_least = high.flip(0).cumsum(0).flip(0)  # at_least[h]: elements whose high bits are >= h
+    h = int((at_least >= k).nonzero().max())
+    above = int(at_least[h] - high[h])  # elements in higher bins: all > t
+    low = torch.zeros(1 << 16, dtype=torch.int64)
+    for b in bits():
+        low += torch.bincount(b[(b >> 16) == h] & 0xFFFF, minlength=1 << 16)
+    at_least = low.flip(0).cumsum(0).flip(0)
+    lo_bits = int((at_least >= k - above).nonzero().max())
+    greater = above + int(at_least[lo_bits] - low[lo_bits])
+    return torch.tensor([(h << 16) | lo_bits], dtype=torch.int32).view(torch.float32).item(), greater
+
+
 def ties(inp: TensorInputs, params: dict, budget: int) -> torch.Tensor:
     """mergekit's TIES on one tensor with its inputs read one at a time: first each task vector's
     magnitude cut (`_trim`: over the whole tensor, one expert at a time, holding its |δ| as float32),
@@ -327,7 +340,7 @@ def ties(inp: TensorInputs, params: dict, budget: int) -> torch.Tensor:
 
     v = _values("ties", params, inp.experts)
     step = inp.row_step(budget, len(inp.ids) * TEMPORARIES["ties"])
-    trims = {i: _trim(inp, i, v["density"][i], v["rescale"], step) for i in inp.experts}
+    trims = {i: _trim(inp, i, v["density"][i], v["rescale"], step, budget) for i in inp.experts}
     block_params = {**v, "density": {i: 1.0 for i in inp.experts}, "rescale": False}
     out = None
     for lo in range(0, inp.shape[0], step):
