@@ -304,7 +304,7 @@ def _regmean_streamed(inp, stats: Sequence[Mapping[str, Tensor]], alpha: float, 
 def _average_rows(inp, importance: Sequence[float], budget: int) -> Tensor:
     """`merge_tensor`'s fallback, the weighted average in float64, a block of rows at a time."""
     c = _importance(inp.ids, importance)
-    step = inp.row_step(budget, 3)
+    step = inp.row_step(budget, 3 * len(inp.ids))  # a block's height shrinks as N grows
     out = None  # filled block by block: a concatenation would hold the tensor twice
     for lo in range(0, inp.shape[0], step):
         acc, out_dtype = None, None
