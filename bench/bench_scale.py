@@ -1,25 +1,25 @@
 """Peak memory and seconds per merged candidate as the number of experts grows (docs/memory.md).
 
-    python bench/bench_scale.py --quick          # 0.1B, N = 4 and 10 (a few minutes on 2 cores)
+    python bench/bench_scale.py --quick          # 0.1B, N = 4 and 10
     python bench/bench_scale.py                  # 0.1B and 0.5B, N = 4, 10 and 20
     python bench/bench_scale.py --tiny           # pico models, N = 2 and 3 (the test's fast path)
 
-A synthetic Qwen3 base of the size (random weights from a transformers Qwen3Config) and N experts
-= base + a random rank-4 update + a random 1%-sparse update per tensor, written as safetensors one
-tensor run at a time (mergekit's TensorWriter), so building them does not hold N models. Each
-(method, N) merges one candidate in a fresh subprocess, as the search does when the candidate is
-over `memory_budget`: the inputs read tensor by tensor from disk (opd.weights.lazy), the candidate
-written to disk tensor by tensor. The child reports its peak RSS (VmHWM of /proc/self/status) over
-the merge, and for RegMean, separately, over its statistics pass (`prepare`: the peak is reset in
-between by writing 5 to /proc/self/clear_refs). RegMean's statistics come from opd's own path
-(opd.weights.regmean.prepare) on a small calibration batch: 8 train prompts of the lab's `add`
+A synthetic Qwen3 base of the size (random weights from a transformers Qwen3Config, Qwen3's vocabulary)
+and N experts = base + a random rank-4 update + 1% of the entries moved, per tensor, written as
+safetensors one tensor run at a time (mergekit's TensorWriter), so building them does not hold N
+models. `--dir` keeps them for the next run (then nothing is rebuilt). Each (method, N) merges one
+candidate in a fresh subprocess, as the search does when the candidate is over `memory_budget`: the
+inputs read tensor by tensor from disk (opd.weights.lazy), the candidate written to disk tensor by
+tensor. The child reports its peak RSS (VmHWM of /proc/self/status) over the merge, and for RegMean,
+separately, over its statistics pass (`prepare`; freed heap is returned with malloc_trim and the peak
+reset in between by writing 5 to /proc/self/clear_refs). RegMean's statistics come from opd's own
+path (opd.weights.regmean.prepare) on a small calibration batch: 8 train prompts of the lab's `add`
 capability per expert, prompt tokens only (inputs=prompt).
 
-Prints the torch thread count, one line per (method, N) (start_MiB: the resident set when the merge
-starts: the interpreter, torch, transformers, mergekit and opd imported; for RegMean also what its
-statistics pass left), the ratios N_max/N_min of peak RSS and of
-seconds, and last `peak_rss_over_model: X.XX`: the largest merge peak RSS over one model's size
-(float32 bytes) among the methods and N it ran.
+Prints the torch thread count and load, one line per (method, N) (start_MiB: the resident set when
+the merge starts: the interpreter, torch, transformers, mergekit and opd imported), the ratios
+N_max/N_min of peak RSS and of seconds, the wall time, and last `peak_rss_over_model: X.XX`: the
+largest merge peak RSS over one model's size (float32 bytes) among the methods and N it ran.
 """
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-# name -> Qwen3 shape; head_dim 64 (pico's 16); vocabulary beyond the lab's char tokenizer is unused
+# name -> Qwen3 shape; head_dim 64 (pico's 16). The two sizes keep Qwen3's own vocabulary (151,936, tied)
+# and a narrow, deep stack: the embedding is the largest tensor, as in Qwen3-0.6B (a quarter of it
+# there, 38% / 16% here), and the blocks' matrices are small enough that the SVDs of TSV-M and Iso-CTS
+# take seconds, not minutes, per expert on one core. Tokens beyond the lab's char tokenizer are unused.
 SIZES = {
     "pico": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16, vocab_size=128),
-    "0.1B": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=28, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=64, vocab_size=8192),
-    "0.5B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=36, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=64, vocab_size=32768),
+    "0.1B": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=80, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=151936),
+    "0.5B": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=134, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=64, vocab_size=151936),
 }
 METHODS = {
     "linear": ({}, {"weight": 1.0}),
@@ -86,14 +89,7 @@ def build(root: Path, size: str, n: int, dtype: torch.dtype, seed: int = 0) -> t
         g = torch.Generator().manual_seed(seed * 1000 + i + 1)
         with TensorWriter(str(tmp), max_shard_size=64 << 20) as w:
             for k in base_sd:
-                b = base_sd[k].float()
-                delta = 0.01 * b.std().clamp_min(1e-3) * torch.randn(b.shape, generator=g) \
-                    * (torch.rand(b.shape, generator=g) < 0.01)  # 1% sparse
-                if b.ndim == 2:  # and rank 4
-                    u = torch.randn(b.shape[0], 4, generator=g)
-                    v = torch.randn(4, b.shape[1], generator=g)
-                    delta += 0.002 * b.std().clamp_min(1e-3) * (u @ v)
-                w.save_tensor(k, (b + delta).to(dtype))
+                w.save_tensor(k, (base_sd[k].float() + _delta(base_sd[k], g)).to(dtype))
         for f in ("config.json", "generation_config.json"):
             if (base / f).exists():
                 shutil.copy(base / f, tmp / f)
@@ -105,6 +101,22 @@ def build(root: Path, size: str, n: int, dtype: torch.dtype, seed: int = 0) -> t
         tmp.rename(d)
     params = sum(base_sd.numel(k) for k in base_sd)
     return base, experts, params
+
+
+def _delta(b: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """An expert's update of base tensor `b`: rank 4 (matrices) plus 1% of the entries moved, drawn
+    as random positions (no full-size random mask: building 20 experts takes seconds per expert)."""
+    scale = b.float().std().clamp_min(1e-3)
+    if b.ndim == 2:
+        u = torch.randn(b.shape[0], 4, generator=g)
+        v = torch.randn(4, b.shape[1], generator=g)
+        delta = (0.002 * scale) * (u @ v)
+    else:
+        delta = torch.zeros(b.shape)
+    n = max(1, b.numel() // 100)
+    idx = torch.randint(b.numel(), (n,), generator=g)
+    delta.view(-1).index_add_(0, idx, (0.01 * scale) * torch.randn(n, generator=g))
+    return delta
 
 
 def child(args) -> None:
@@ -126,6 +138,7 @@ def child(args) -> None:
         _prepare(args.method, paths, shared, cand.per_model, str(base))  # RegMean's statistics; others: nothing
         prepare_s = time.perf_counter() - t
         prepare_peak = _hwm()
+        _trim_heap()  # what the statistics pass freed goes back to the system before the merge is measured
         start = _reset_peak()  # the merge's own peak from here
         out = Path(tempfile.mkdtemp(prefix="cand-", dir=root))
         t = time.perf_counter()
@@ -135,6 +148,19 @@ def child(args) -> None:
         shutil.rmtree(out)
         print(json.dumps({"n": n, "peak": _hwm(), "start": start, "merge_s": merge_s, "prepare_s": prepare_s,
                           "prepare_peak": prepare_peak}), flush=True)
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the system (glibc's malloc_trim; a no-op elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def _reset_peak() -> int:
@@ -160,6 +186,9 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--dir", help="where the synthetic models go (kept; default a temporary directory)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="how the synthetic models are stored (bfloat16 halves the disk; 20 experts of 0.5B "
+                         "take 40 GB in float32)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -169,13 +198,13 @@ def main() -> None:
     sizes = args.sizes or (["pico"] if args.tiny else ["0.1B"] if args.quick else ["0.1B", "0.5B"])
     ns = args.n or ([2, 3] if args.tiny else [4, 10] if args.quick else [4, 10, 20])
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="opd-bench-scale-"))
+    wall = time.perf_counter()
     print(f"torch threads: {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; "
           f"methods {args.methods}; N {ns}; sizes {sizes}")
     worst = 0.0
     try:
         for size in sizes:
-            # bf16 storage for the 0.5B experts (20 of them in fp32 would be 40 GB); read as float32
-            dtype = torch.bfloat16 if size == "0.5B" else torch.float32
+            dtype = getattr(torch, args.dtype)  # storage; every merge reads float32
             root = work / size
             t = time.perf_counter()
             base, _, params = build(root, size, max(ns), dtype)
@@ -213,6 +242,7 @@ def main() -> None:
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+    print(f"wall {time.perf_counter() - wall:.0f} s; load average {os.getloadavg()[0]:.2f}")
     print(f"peak_rss_over_model: {worst:.2f}")
 
 

@@ -168,8 +168,7 @@ def test_merge_candidate_is_the_fit_and_run_merge_refits_it(lab3, tmp_path, gran
     # refits the same coefficients, tensor for tensor
     adamerging._FITS.clear()
     adamerging._BOUND.clear()
-    regmean._CACHE.clear()
-    regmean._BOUND.clear()
+    regmean.STORE.clear()
     doc = mergekit_config(cand, str(lab["base"]), paths)
     assert doc["merge_method"] == "adamerging" and doc["base_model"] == str(lab["base"])
     assert doc["parameters"] == {**SMALL, "fit_seed": 0, "granularity": granularity}

@@ -189,9 +189,9 @@ def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path):
     shared = {"alpha": 0.7, "prompts": 8}
     cand = Candidate(strategy="regmean", shared=shared, per_model={experts[0]: {"weight": 2.0}})
     mine = merge_candidate(cand, str(lab["base"]), paths, sds["base"], {e: sds[e] for e in experts})
-    cached = dict(regmean._CACHE)
+    cached = dict(regmean.STORE.stats)
     assert merge_candidate(cand, str(lab["base"]), paths, sds["base"], {e: sds[e] for e in experts}).keys() == mine.keys()
-    assert all(regmean._CACHE[k] is v for k, v in cached.items()) and len(regmean._CACHE) == len(cached)  # reused
+    assert all(regmean.STORE.stats[k] is v for k, v in cached.items()) and len(regmean.STORE.stats) == len(cached)  # reused
     grams = {e: expert_grams(paths[e], prompts=8) for e in experts}
     importance = [2.0, 1.0, 1.0]
     for k in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight",
@@ -204,8 +204,7 @@ def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path):
         torch.testing.assert_close(mine[k], sds["base"][k])
     # The export path, as a fresh process runs it (no Grams in memory): the candidate's YAML through
     # mergekit's run_merge recomputes the Grams from the expert directories, tensor for tensor.
-    regmean._CACHE.clear()
-    regmean._BOUND.clear()
+    regmean.STORE.clear()
     doc = mergekit_config(cand, str(lab["base"]), paths)
     # the YAML pins every setting the statistics depend on, the defaults included
     assert doc["merge_method"] == "regmean" and "base_model" not in doc
@@ -319,7 +318,8 @@ def test_collect_stats_counts_tokens_and_normalised_inputs():
     assert set(stats) == {"emb.weight", "norm.weight", "lin.weight"}
     close(stats["emb.weight"], [0.0, 1 / 3, 1 / 3, 1 / 3])
     close(stats["norm.weight"], [1.0, 1.0])
-    torch.testing.assert_close(stats["lin.weight"], t([1.0, 1 / 3], [1 / 3, 1.0]), rtol=0, atol=1e-6)  # float32 forward
+    assert all(v.dtype == torch.float32 for v in stats.values())  # STATS_DTYPE: half float64's bytes
+    torch.testing.assert_close(stats["lin.weight"], t([1.0, 1 / 3], [1 / 3, 1.0]).float(), rtol=0, atol=1e-6)
     # `hooked` picks modules; `stop` ends each pass after a module: the linear layer never runs
     model = _Tiny()
     assert set(collect_stats(model, [[1, 2], [3]], 0, hooked=lambda n: n == "lin")) == {"lin.weight"}
@@ -388,13 +388,13 @@ def test_regmean_plus_plus_statistics(lab_nl):
     cand = Candidate(strategy="regmean", shared=shared, per_model={"rev": {"weight": 2.0}})
     merged = merge_candidate(cand, str(lab["base"]), paths, sds["add"], sds)
     members = [(str(lab["experts"][e].resolve()), 2.0 if e == "rev" else 1.0) for e in paths]
-    stats = regmean._MERGED[regmean._merged_key(regmean._Settings(shared), members)]
+    stats = regmean.STORE.merged[regmean._merged_key(regmean._Settings(shared), members)]
     model = AutoModelForCausalLM.from_pretrained(paths["add"])
     model.load_state_dict(merged, strict=False)  # the tied head follows the embedding
     for e, path in paths.items():
         expert = AutoModelForCausalLM.from_pretrained(path)
         own = regmean.expert_grams(path, prompts=8)
-        seqs = regmean._SEQS[regmean._BOUND[(str(lab["experts"][e].resolve()), 8, "completion")]]
+        seqs = regmean.STORE.seqs[regmean.STORE.bound[(str(lab["experts"][e].resolve()), 8, "completion")]]
         kept = model.model.layers[1]
         model.model.layers[1] = expert.model.layers[1]
         want = regmean.collect_stats(model, seqs, 0, hooked=lambda n: n.startswith("model.layers.1."))
@@ -407,7 +407,7 @@ def test_regmean_plus_plus_statistics(lab_nl):
         assert torch.equal(got["model.embed_tokens.weight@head"], own["model.embed_tokens.weight@head"])
     # One expert: its merge is itself, so RegMean++'s statistics are its own.
     own = regmean.expert_grams(paths["add"], prompts=8)
-    seqs_add = regmean._SEQS[regmean._BOUND[(str(lab["experts"]["add"].resolve()), 8, "completion")]]
+    seqs_add = regmean.STORE.seqs[regmean.STORE.bound[(str(lab["experts"]["add"].resolve()), 8, "completion")]]
     one = regmean.merged_stats([AutoModelForCausalLM.from_pretrained(paths["add"])], [seqs_add], [own], 0, 0.8, [1.0])[0]
     assert set(one) == set(own) and all(torch.allclose(one[k], own[k], rtol=1e-6, atol=1e-9) for k in own)
 
@@ -430,9 +430,7 @@ def test_settings_export_tensor_for_tensor(lab_nl, tmp_path, shared, per):
                             str(lab["base"]), paths, sds["add"], sds)
     for k in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
         assert not torch.allclose(mine[k], plain[k]), k  # the rules act on these
-    regmean._CACHE.clear()
-    regmean._BOUND.clear()
-    regmean._MERGED.clear()
+    regmean.STORE.clear()
     run_mergekit(mergekit_config(cand, str(lab["base"]), paths), str(tmp_path / "out"))
     ref = load_file(tmp_path / "out" / "model.safetensors")
     assert set(ref) == set(mine)

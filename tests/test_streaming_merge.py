@@ -87,8 +87,11 @@ def test_streamed_merge_equals_the_whole_model_merge_bit_for_bit(lab3, tmp_path,
     """Lazy inputs, one tensor per mergekit call, and the candidate written to disk all give the very
     tensors of one whole-model merge_state_dicts call: each method merges tensor by tensor (a group is
     one tensor name), and mergekit's batching of same-shaped tensors computes each element alike.
-    With a run smaller than any tensor, the elementwise merges (linear, task arithmetic, the subspace
-    methods' task mean of vectors and vocabulary matrices) go a row at a time: the same numbers."""
+    With a run smaller than any tensor, every tensor is merged one input (or one block of rows) at a
+    time (opd.weights.lazy.merge_streamed): the elementwise merges (linear, task arithmetic, the subspace
+    methods' and RegMean's averages of vectors and vocabulary matrices) and TIES (after each task
+    vector's cut) a block of rows at a time, TSV-M and Iso-CTS from each task's singular factors,
+    RegMean from running sums: the same numbers."""
     lab, sds = lab3
     by_rows = set()
     rows = LazyStateDict.rows
@@ -109,7 +112,9 @@ def test_streamed_merge_equals_the_whole_model_merge_bit_for_bit(lab3, tmp_path,
         assert torch.equal(on_disk[k], ref[k]), k
     assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], sds["base"]["model.layers.0.mlp.up_proj.weight"])
     subspace_rows = {k for k in ref if ref[k].ndim != 2 or "embed" in k}  # what TSV-M / Iso do not decompose
-    want = {"linear": set(ref), "task_arithmetic": set(ref), "tsv_m": subspace_rows, "iso_cts": subspace_rows}
+    # TIES reads every tensor by rows after its per-expert cut; RegMean its averaged tensors (no Gram)
+    want = {"linear": set(ref), "task_arithmetic": set(ref), "tsv_m": subspace_rows, "iso_cts": subspace_rows,
+            "ties": set(ref), "regmean": subspace_rows}
     assert by_rows == want.get(method, set()) and "model.embed_tokens.weight" in subspace_rows
 
 
@@ -137,8 +142,8 @@ def test_regmean_statistics_are_held_on_disk(lab3):
 
     lab, _ = lab3
     regmean.prepare({e: str(p) for e, p in lab["experts"].items()}, {"prompts": 8, "inputs": "prompt"})
-    assert regmean._CACHE and all(isinstance(s, LazyStateDict) for s in regmean._CACHE.values())
-    assert all(isinstance(m[0], str) for m in regmean._MODELS.values())  # no model kept in memory
+    assert regmean.STORE.stats and all(isinstance(s, LazyStateDict) for s in regmean.STORE.stats.values())
+    assert all(isinstance(m[0], str) for m in regmean.STORE.models.values())  # no model kept in memory
 
 
 def _inputs(lab, tmp_path, budget):

@@ -287,8 +287,7 @@ def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path, shared)
     assert torch.equal(mine[k], base[k]) and torch.equal(mine["model.norm.weight"], base["model.norm.weight"])
     # The export path as a fresh process runs it (no Grams in memory): the YAML pins every setting
     # the statistics depend on, and run_merge rebuilds the merge tensor for tensor.
-    regmean._CACHE.clear()
-    regmean._BOUND.clear()
+    regmean.STORE.clear()
     doc = mergekit_config(cand, str(lab["base"]), paths)
     assert doc["merge_method"] == "wudi" and doc["base_model"] == str(lab["base"])
     assert doc["parameters"] == {
@@ -301,7 +300,7 @@ def test_merge_candidate_matches_the_maths_and_run_merge(lab3, tmp_path, shared)
         "steps": 300,
     }
     run_mergekit(doc, str(tmp_path / "out"))
-    assert bool(regmean._CACHE) == bool(data)  # data-free WUDI reads no expert's inputs
+    assert bool(regmean.STORE.stats) == bool(data)  # data-free WUDI reads no expert's inputs
     ref = load_file(tmp_path / "out" / "model.safetensors")
     assert set(ref) == set(mine)
     for k in ref:
@@ -341,8 +340,7 @@ def test_export_rebuilds_a_wudi_trial(lab3, tmp_path):
             }
         )
     )
-    regmean._CACHE.clear()
-    regmean._BOUND.clear()
+    regmean.STORE.clear()
     main(["export", str(recipe.out_dir), "0"])
     out = recipe.out_dir / "export" / "trial-0"
     m = json.loads((out / "manifest.json").read_text())

@@ -55,6 +55,9 @@ class LazyStateDict(Mapping):
             t = f.get_tensor(name)
         return t if self.dtype is None or not t.is_floating_point() else t.to(self.dtype)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._set
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
@@ -127,3 +130,230 @@ def load_into(model: torch.nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
     for name in sd:
         if name in own:
             own[name].copy_(sd[name])
+
+
+# A tensor too large for a run of mergekit's `merge_state_dicts` (its copies over all N inputs exceed the
+# run's bytes) is merged here reading one input, or one block of rows of every input, at a time: what
+# is held is a few copies of that one tensor (or of a block whose rows shrink as N grows), never N.
+# Run bytes per input byte a method's mergekit function holds besides its inputs, about: TIES keeps
+# its deltas, their masked copies, the sign mask and its product (mergekit/merge_methods/
+# generalized_task_arithmetic.py, `merge_group`); the subspace methods their task matrices, the
+# stack summed and SVD factors; RegMean float64 copies of the weights and Grams. A run of such a
+# method is given this fraction of the merge's bytes, so that inputs and temporaries stay within them.
+# RegMean's runs also hold each expert's Gram (in, in) in float64, which a run's input bytes do not
+# count (a down_proj's is 3x its weight's bytes): its runs are small enough that every block matrix
+# streams, one expert's weight and Gram at a time (with 4, the 0.1B bench peaked at 2.31x, 2.11x, 2.58x
+# one model at N = 4, 10, 20).
+TEMPORARIES = {"ties": 5, "tsv_m": 3, "iso_c": 3, "iso_cts": 3, "regmean": 64, "wudi": 3}
+# Methods whose merged element depends only on the inputs' same element (and scalars).
+ELEMENTWISE = {"linear", "task_arithmetic"}
+SUBSPACE = {"tsv_m", "iso_c", "iso_cts"}
+
+
+class TensorInputs:
+    """One tensor name over a merge's inputs (input id -> state dict, lazy or in memory), read one
+    input, or one block of rows, at a time (float32 from a lazy state dict, as stored from a dict)."""
+
+    def __init__(self, models: Mapping, ids: Sequence, name: str, base=None):
+        self.models, self.ids, self.name, self.base = models, list(ids), name, base
+        first = models[self.ids[0]]
+        self.shape = first.shape(name) if isinstance(first, LazyStateDict) else tuple(first[name].shape)
+
+    @property
+    def experts(self) -> list:
+        return [i for i in self.ids if i != self.base]
+
+    def read(self, i) -> torch.Tensor:
+        return self.models[i][self.name]
+
+    def rows(self, i, lo: int, hi: int) -> torch.Tensor:
+        sd = self.models[i]
+        return sd.rows(self.name, lo, hi) if isinstance(sd, LazyStateDict) else sd[self.name][lo:hi]
+
+    def row_step(self, budget: int, copies: int) -> int:
+        """Rows per block so that `copies` float64 copies of a block stay within `budget` bytes."""
+        row_bytes = 8 * max(1, math.prod(self.shape[1:]))
+        return max(1, budget // (row_bytes * max(1, copies)))
+
+
+def merge_streamed(models: Mapping, ids: Sequence, name: str, method: str, params: dict, base,
+                   budget: int) -> torch.Tensor | None:
+    """Tensor `name` merged by `method` reading one input (or one block of rows) at a time, with
+    about `budget` bytes of blocks at once; None where `method` has no such path for this tensor (the
+    caller then hands the whole tensor group to mergekit). Mergekit's method on the whole tensor
+    (tests/test_lazy_streamed.py): the same operations, so the same numbers up to the order torch adds
+    a block's N inputs in, which it picks by the block's shape (1 ulp seen), and for TIES the choice
+    among magnitudes tied at a task vector's cut."""
+    from opd.weights import regmean, subspace
+
+    inp = TensorInputs(models, ids, name, base)
+    if not inp.shape:  # a scalar has no rows
+        return None
+    if method in ELEMENTWISE:
+        return merge_rows(inp, method, params, budget)
+    if method == "ties":
+        return ties(inp, params, budget)
+    if method in SUBSPACE:
+        if len(inp.shape) == 2 and not subspace.is_vocabulary(name):
+            return subspace.merge_streamed(inp, method, _values(method, params, inp.experts))
+        return merge_rows(inp, method, params, budget)
+    if method == "wudi" and (len(inp.shape) != 2 or subspace.is_vocabulary(name)):
+        return merge_rows(inp, method, params, budget)  # its task mean, elementwise
+    if method == "regmean":
+        return regmean.merge_streamed(inp, _values(method, params, inp.ids), budget)
+    return None
+
+
+def _values(method: str, params: dict, ids: Sequence) -> dict:
+    """A run of one tensor's parameters as plain values: shared ones as scalars, per-input ones as
+    {id: value}; mergekit's declared defaults where a parameter is not given."""
+    from mergekit import merge_methods as mm
+    from mergekit.merge_methods import PerGroupValues
+    from mergekit.merge_methods.base import ParameterScope
+
+    out = {}
+    for spec in mm.get(method).spec.parameters:
+        v = params.get(spec.name, spec.default)
+        if isinstance(v, PerGroupValues):
+            (v,) = v.values
+        if spec.scope != ParameterScope.SHARED:
+            v = {i: (v[i] if isinstance(v, Mapping) else v) for i in ids}
+        out[spec.name] = v
+    return out
+
+
+def merge_rows(inp: TensorInputs, method: str, params: dict, budget: int) -> torch.Tensor:
+    """Tensor `inp.name` merged by mergekit's `method` a block of rows at a time (each block within
+    `budget` bytes over all inputs and their copies), for a method whose merged element depends only
+    on the inputs' same element: the same numbers as whole."""
+    from mergekit.merge_methods import merge_state_dicts
+
+    step = inp.row_step(budget, len(inp.ids) * TEMPORARIES.get(method, 2))
+    out = None  # filled block by block: a concatenation would hold the tensor twice
+    for lo in range(0, inp.shape[0], step):
+        chunk = {i: {inp.name: inp.rows(i, lo, lo + step)} for i in inp.ids}
+        block = merge_state_dicts(chunk, method, parameters=params, base=inp.base)[inp.name]
+        out = _fill(out, inp.shape, lo, block)
+        del chunk, block
+    return out
+
+
+def _fill(out: torch.Tensor | None, shape: tuple, lo: int, block: torch.Tensor) -> torch.Tensor:
+    """`block` written into rows lo: of `out` (allocated with the block's dtype at the first block)."""
+    if out is None:
+        out = torch.empty(shape, dtype=block.dtype)
+    out[lo:lo + block.shape[0]] = block
+    return out
+
+
+class _Trim:
+    """Which elements of one task vector mergekit's magnitude sparsification keeps, as a cut: every
+    |δ| > t, and the first `ties` elements (in row-major order) with |δ| == t; `scale` is its L1 rescale
+    (None: none)."""
+
+    def __init__(self, t: float, ties: int, scale: torch.Tensor | None):
+        self.t, self.ties, self.scale, self.seen = t, ties, scale, 0
+
+    def apply(self, delta: torch.Tensor) -> torch.Tensor:
+        """`delta` (the next block of rows, in order) masked as the whole tensor is."""
+        w = delta.abs().float()
+        tied = w == self.t
+        n_tied = int(tied.sum())
+        if n_tied and self.seen + n_tied > self.ties:  # only the first `ties` tied elements are kept
+            order = tied.reshape(-1).cumsum(0).reshape(tied.shape) + self.seen
+            tied &= order <= self.ties
+        self.seen += n_tied
+        mask = ((w > self.t) | tied).to(delta.dtype)
+        masked = delta * mask
+        return masked if self.scale is None else masked * self.scale
+
+
+def _trim(inp: TensorInputs, expert, density: float, rescale: bool, step: int, budget: int = 0) -> _Trim | None:
+    """The cut mergekit's `sparsify.magnitude` makes in expert `expert`'s whole task vector δ = expert −
+    base (mergekit/sparsify.py: the k = max(1, int(density · numel)) largest |δ| by
+    `argsort(descending=True)[:k]`, then `rescaled_masked_tensor`, L1 when `rescale`). None: density
+    >= 1 keeps everything.
+
+    The k-th largest magnitude t is found exactly without holding δ: non-negative float32 values order
+    as their bit patterns read as integers, so two passes over blocks of `step` rows count the
+    patterns' high 16 bits, then the low 16 bits within the high half that holds the k-th (two
+    histograms of 2^15 and 2^16 counts); where one expert's whole tensor, read with the base's, fits
+    `budget` bytes, it is read once and t is its `torch.kthvalue`. Where several elements tie at t, argsort keeps some of them
+    in an order it does not promise; here the first ones in row-major order (what a stable argsort
+    keeps). Zero magnitudes at the cut change nothing: a zero delta adds nothing, and TIES's sign vote
+    never counts a zero. The L1 rescale's two sums are added block by block (mergekit sums the whole
+    tensor at once: the same up to float rounding)."""
+    n = math.prod(inp.shape)
+    if density >= 1:
+        return None
+    if density <= 0 or n == 0:
+        return _Trim(float("inf"), 0, None)
+    k = max(1, int(density * n))
+
+    def bits():  # |δ| of each block as float32 bit patterns (int32, flat), in row order
+        for lo in range(0, inp.shape[0], step):
+            d = inp.rows(expert, lo, lo + step) - inp.rows(inp.base, lo, lo + step)
+            yield d.abs().float().reshape(-1).view(torch.int32)
+
+    if 4 * 4 * n <= budget:  # expert, base, δ and |δ| whole: one read, a selection
+        w = (inp.read(expert) - inp.read(inp.base)).abs().float().reshape(-1)
+        t = float(torch.kthvalue(w, n - k + 1).values)
+        greater = int((w > t).sum())
+        del w
+    else:
+        t, greater = _kth_by_histograms(bits, k)
+    trim = _Trim(t, k - greater, None)
+    if rescale:  # mergekit's L1 rescale: Σ|δ| and Σ|δ ⊙ mask| over the whole tensor
+        before = after = 0.0
+        for b in bits():
+            w = b.view(torch.float32)
+            before += w.sum()
+            after += trim.apply(w).sum()
+        trim.seen = 0
+        eps = 1e-7  # rescaled_masked_tensor's default
+        trim.scale = None if before < eps or after < eps else before / after
+    return trim
+
+
+def _kth_by_histograms(bits, k: int) -> tuple[float, int]:
+    """(t, the count of elements > t): t the k-th largest of the magnitudes whose float32 bit patterns
+    `bits()` yields block by block, found by two passes over them."""
+    high = torch.zeros(1 << 15, dtype=torch.int64)  # a magnitude's sign bit is 0: its pattern >> 16 < 2^15
+    for b in bits():
+        high += torch.bincount(b >> 16, minlength=1 << 15)
+    at_least = high.flip(0).cumsum(0).flip(0)  # at_least[h]: elements whose high bits are >= h
+    h = int((at_least >= k).nonzero().max())
+    above = int(at_least[h] - high[h])  # elements in higher bins: all > t
+    low = torch.zeros(1 << 16, dtype=torch.int64)
+    for b in bits():
+        low += torch.bincount(b[(b >> 16) == h] & 0xFFFF, minlength=1 << 16)
+    at_least = low.flip(0).cumsum(0).flip(0)
+    lo_bits = int((at_least >= k - above).nonzero().max())
+    greater = above + int(at_least[lo_bits] - low[lo_bits])
+    return torch.tensor([(h << 16) | lo_bits], dtype=torch.int32).view(torch.float32).item(), greater
+
+
+def ties(inp: TensorInputs, params: dict, budget: int) -> torch.Tensor:
+    """mergekit's TIES on one tensor with its inputs read one at a time: first each task vector's
+    magnitude cut (`_trim`: over the whole tensor, one expert at a time, holding its |δ| as float32),
+    then blocks of rows: each expert's block trimmed by its cut, and mergekit's own TIES (sign
+    election, disjoint mean, weights, normalize, lambda) on the trimmed deltas with density 1 against
+    a zero base, added to the base. mergekit computes base + its mixed delta the same way, so this is
+    its result element for element (tests/test_lazy_streamed.py)."""
+    from mergekit.merge_methods import merge_state_dicts
+
+    v = _values("ties", params, inp.experts)
+    step = inp.row_step(budget, len(inp.ids) * TEMPORARIES["ties"])
+    trims = {i: _trim(inp, i, v["density"][i], v["rescale"], step, budget) for i in inp.experts}
+    block_params = {**v, "density": {i: 1.0 for i in inp.experts}, "rescale": False}
+    out = None
+    for lo in range(0, inp.shape[0], step):
+        b = inp.rows(inp.base, lo, lo + step)
+        chunk = {inp.base: {inp.name: torch.zeros_like(b)}}
+        for i in inp.experts:
+            d = inp.rows(i, lo, lo + step) - b
+            chunk[i] = {inp.name: d if trims[i] is None else trims[i].apply(d)}
+        merged = merge_state_dicts(chunk, "ties", parameters=block_params, base=inp.base)[inp.name]
+        out = _fill(out, inp.shape, lo, (b + merged).to(b.dtype))
+        del chunk, merged
+    return out

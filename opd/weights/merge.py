@@ -15,7 +15,6 @@ a merge (opd.distill.run) both merge through here.
 from __future__ import annotations
 
 import functools
-import math
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opd.errors import OpdError
 from opd.weights import adamerging, regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
-from opd.weights.lazy import LazyStateDict
+from opd.weights.lazy import TEMPORARIES, LazyStateDict, merge_streamed
 from opd.weights.sort_cache import CACHE as SORT_CACHE
 from opd.weights.sort_cache import SortedMagnitudes, cached_magnitude
 from opd.weights.state import merge_keys as merge_keys  # re-exported: its callers import it here
@@ -197,7 +196,9 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
 
     Streams: the inputs may be lazy mappings (opd.weights.lazy.LazyStateDict) that read a tensor on
     access; names are merged a run of at most `chunk_bytes` input bytes at a time with mergekit's
-    `merge_state_dicts`, so nothing holds all of the inputs' tensors at once. With `sink`, each merged
+    `merge_state_dicts`, so nothing holds all of the inputs' tensors at once; a tensor whose copies
+    over the inputs exceed a run is merged one input, or one block of rows, at a time
+    (opd.weights.lazy.merge_streamed), where the method has such a path. With `sink`, each merged
     tensor goes to `sink(name, tensor)` as it is made (and None is returned); else the merged state
     dict is returned."""
     m = _method(cand)
@@ -212,20 +213,27 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
     out: dict[str, torch.Tensor] = {}
     # Each task vector's magnitudes sorted once per search, when they all fit the sort cache. Past its
     # size the LRU would evict every entry before its next use (a merge visits the tensors in order)
-    # and hold its full size in memory for nothing: then a cache of one tensor's size keeps only the
-    # faster sort (opd.weights.sort_cache), and memory stays one sorted tensor.
+    # and hold its full size in memory for nothing: then a cache of one tensor's size (the largest a
+    # run merges; larger ones are cut without sorting) keeps only the faster sort
+    # (opd.weights.sort_cache), and memory stays one sorted tensor.
+    # a run holds inputs and the method's temporaries on them within chunk_bytes (opd.weights.lazy);
+    # a tensor too large for one (N copies over `budget`) is merged one input at a time, unsorted
+    budget = chunk_bytes // TEMPORARIES.get(m.name, 1)
+    in_runs = [size for size in sizes if size * len(ids) <= budget]
     fits = sum(sizes) * len(experts) <= SORT_CACHE.max_bytes
-    sorted_once = cached_magnitude() if fits else cached_magnitude(SortedMagnitudes(max(sizes, default=0)))
+    sorted_once = cached_magnitude() if fits else cached_magnitude(SortedMagnitudes(max(in_runs, default=0)))
     torch.manual_seed(cand.seed)
     with torch.no_grad(), sorted_once:
-        for run in _runs(names, sizes, len(ids), chunk_bytes):
+        for run in _runs(names, sizes, len(ids), budget):
             # mergekit's PerGroupValues hold one value per tensor of the state dicts it is given
             p = {k: PerGroupValues([v.values[i] for i in run]) if isinstance(v, PerGroupValues) else v
                  for k, v in params.items()}
             name = names[run[0]]
-            if len(run) == 1 and sizes[run[0]] * len(ids) > chunk_bytes and _by_rows(m.name, name, models[ids[0]]):
-                merged = {name: _merge_rows(models, ids, name, m.name, p, base, chunk_bytes)}
-            else:
+            merged = None
+            if len(run) == 1 and sizes[run[0]] * len(ids) > budget:  # N copies too large: one input at a time
+                t = merge_streamed(models, ids, name, m.name, p, base, chunk_bytes)
+                merged = None if t is None else {name: t}
+            if merged is None:
                 chunk = {i: {names[j]: models[i][names[j]] for j in run} for i in ids}
                 merged = merge_state_dicts(chunk, m.name, parameters=p, base=base)
                 del chunk
@@ -236,40 +244,6 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
                     sink(k, t)
             del merged
     return out if sink is None else None
-
-
-# Methods whose merged element depends only on the inputs' same element (and scalars): a tensor larger
-# than a run is merged a block of rows at a time, the same numbers as whole. The subspace methods and
-# WUDI only for what they do not decompose (vocabulary matrices, vectors: their task mean); TIES and
-# the other sparsifying methods never (each task vector's top-k is over the whole tensor), nor RegMean.
-_ELEMENTWISE = {"linear", "task_arithmetic"}
-_ELEMENTWISE_UNLESS_DECOMPOSED = {"tsv_m", "iso_c", "iso_cts", "wudi"}
-
-
-def _by_rows(method: str, name: str, sd: Mapping[str, torch.Tensor]) -> bool:
-    """Whether tensor `name` may be merged by `method` a block of rows at a time (same result)."""
-    if method in _ELEMENTWISE:
-        return True
-    if method not in _ELEMENTWISE_UNLESS_DECOMPOSED:
-        return False
-    ndim = len(sd.shape(name)) if isinstance(sd, LazyStateDict) else sd[name].ndim
-    return ndim != 2 or subspace.is_vocabulary(name)
-
-
-def _merge_rows(models: dict, ids: list, name: str, method: str, params: dict, base, chunk_bytes: int) -> torch.Tensor:
-    """Tensor `name` merged by mergekit a block of rows at a time (each block within `chunk_bytes` over
-    all inputs), read from lazy inputs a block at a time."""
-    first = models[ids[0]]
-    shape = first.shape(name) if isinstance(first, LazyStateDict) else tuple(first[name].shape)
-    row_bytes = 4 * max(1, math.prod(shape[1:]))
-    step = max(1, chunk_bytes // (row_bytes * len(ids)))
-    blocks = []
-    for lo in range(0, shape[0], step):
-        chunk = {i: {name: models[i].rows(name, lo, lo + step) if isinstance(models[i], LazyStateDict)
-                     else models[i][name][lo:lo + step]} for i in ids}
-        blocks.append(merge_state_dicts(chunk, method, parameters=params, base=base)[name])
-        del chunk
-    return torch.cat(blocks)
 
 
 def _tensor_bytes(sd: Mapping[str, torch.Tensor], names: list[str]) -> list[int]:

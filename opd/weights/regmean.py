@@ -134,8 +134,10 @@ def regmean_merge(weights: Sequence[Tensor], grams: Sequence[Tensor | None], alp
 
 
 def grams_from_inputs(inputs: Tensor) -> Tensor:
-    """G = Xᵀ X for a layer's inputs X (..., in), every leading position one row; float64 (in, in)."""
-    x = inputs.reshape(-1, inputs.shape[-1]).to(torch.float64)  # (N, in)
+    """G = Xᵀ X for a layer's inputs X (..., in), every leading position one row; (in, in) in STATS_DTYPE
+    at least (float64 inputs stay float64)."""
+    x = inputs.reshape(-1, inputs.shape[-1])
+    x = x.to(torch.promote_types(x.dtype, STATS_DTYPE))  # (N, in)
     return x.T @ x
 
 
@@ -237,6 +239,87 @@ def merge_tensor(weights: Sequence[Tensor], stats: Sequence[Tensor | None], alph
     return task_average([w.to(torch.float64) for w in weights], importance).to(w0.dtype)
 
 
+def merge_streamed(inp, params: Mapping, budget: int) -> Tensor | None:
+    """RegMean on one tensor of `inp` (opd.weights.lazy.TensorInputs over the experts), reading one
+    expert's weight and statistic at a time: `merge_tensor`'s result, holding running sums instead of
+    N weights and Grams. `params`: the method's plain values (weight: {input id: value}, alpha, the
+    statistics' settings). A linear layer's weight: `regmean_merge` as sums over the experts,
+    Σ c_t G_t', Σ c_t W_t, Σ W_t c_t G_t' (float64; (in, in) and (out, in) each, whatever N). Anything
+    merged as the weighted average: by blocks of rows within `budget` bytes. None (the caller merges
+    the whole group) for the embedding and norm rules `regmean`, which stay whole."""
+    ids = inp.ids
+    importance = [params["weight"][i] for i in ids]
+    settings = _Settings({k: params[k] for k in ("prompts", "inputs", "propagate", "alpha", "embeddings", "norms")})
+    stats = STORE.for_merge(ids, settings, importance)
+    name, alpha = inp.name, params["alpha"]
+    shapes = [_stat_shape(s, name) for s in stats]
+    if all(sh is not None for sh in shapes):
+        if len(inp.shape) == 2 and len(shapes[0]) == 2:
+            return _regmean_streamed(inp, [s for s in stats], alpha, importance)
+        if len(inp.shape) == 2 and len(shapes[0]) == 1 and settings[4] == "regmean":
+            return None
+        if len(inp.shape) == 1 and shapes[0] == tuple(inp.shape) and settings[5] == "regmean":
+            return None
+    return _average_rows(inp, importance, budget)
+
+
+def _stat_shape(stats: Mapping[str, Tensor], name: str) -> tuple | None:
+    """A statistic's shape without reading it from disk (None: the expert has none for `name`)."""
+    if name not in stats:
+        return None
+    shape = getattr(stats, "shape", None)  # a LazyStateDict reads it from the header
+    return tuple(shape(name)) if shape is not None else tuple(stats[name].shape)
+
+
+def _regmean_streamed(inp, stats: Sequence[Mapping[str, Tensor]], alpha: float, importance: Sequence[float]) -> Tensor:
+    """`regmean_merge` over the experts of `inp`, one expert's W_t and G_t read at a time: the same
+    operations in the same order (its sums start from the first term, as Python's `sum` adds to 0)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"regmean: alpha must be in [0, 1], got {alpha}")
+    c = _importance(inp.ids, importance)
+    n_in = inp.shape[1]
+    w_sum = g_sum = wg_sum = None
+    out_dtype = None
+    for ci, i, s in zip(c, inp.ids, stats):
+        w = inp.read(i)
+        if tuple(w.shape) != tuple(inp.shape):
+            raise ValueError(f"regmean: expert weights differ in shape: {sorted({tuple(inp.shape), tuple(w.shape)})}")
+        out_dtype = out_dtype or w.dtype
+        w = w.to(torch.promote_types(out_dtype, torch.float64))  # (out, in)
+        g = s[inp.name]
+        if tuple(g.shape) != (n_in, n_in):
+            raise ValueError(f"regmean: need one ({n_in}, {n_in}) Gram per expert, got {tuple(g.shape)}")
+        g = ci * scale_off_diagonal(g.to(w.device, w.dtype), alpha)  # c_t G_t' (in, in)
+        g_sum = g if g_sum is None else g_sum + g
+        cw = ci * w
+        w_sum = cw if w_sum is None else w_sum + cw
+        wg = w @ g  # (out, in)
+        wg_sum = wg if wg_sum is None else wg_sum + wg
+        del w, g, cw, wg
+    mean = w_sum / sum(c)
+    rhs = wg_sum - mean @ g_sum  # (out, in)
+    return (mean + rhs @ torch.linalg.pinv(g_sum, hermitian=True)).to(out_dtype)
+
+
+def _average_rows(inp, importance: Sequence[float], budget: int) -> Tensor:
+    """`merge_tensor`'s fallback, the weighted average in float64, a block of rows at a time."""
+    c = _importance(inp.ids, importance)
+    step = inp.row_step(budget, 3 * len(inp.ids))  # a block's height shrinks as N grows
+    out = None  # filled block by block: a concatenation would hold the tensor twice
+    for lo in range(0, inp.shape[0], step):
+        acc, out_dtype = None, None
+        for ci, i in zip(c, inp.ids):
+            w = inp.rows(i, lo, lo + step)
+            out_dtype = out_dtype or w.dtype
+            t = ci * w.to(torch.float64)
+            acc = t if acc is None else acc + t
+        block = (acc / sum(c)).to(out_dtype)
+        if out is None:
+            out = torch.empty(tuple(inp.shape), dtype=out_dtype)
+        out[lo:lo + block.shape[0]] = block
+    return out
+
+
 def _importance(weights: Sequence[Tensor], importance: Sequence[float] | None) -> list[float]:
     c = [1.0] * len(weights) if importance is None else [float(v) for v in importance]
     if len(c) != len(weights) or any(v < 0 for v in c) or sum(c) <= 0:
@@ -293,7 +376,7 @@ def _is_rms_norm(module) -> bool:
 def collect_stats(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pad_id: int, batch: int = BATCH,
                   hooked: Callable[[str], bool] | None = None, stop: torch.nn.Module | None = None) -> dict[str, Tensor]:
     """Each hooked module's input statistics over the sequences' tokens (right-padded; padding
-    excluded), each the mean over those tokens, float64, keyed by its weight's name:
+    excluded), each the mean over those tokens, in STATS_DTYPE (float32), keyed by its weight's name:
     nn.Linear `<m>.weight`: the Gram x xᵀ (in, in); nn.Embedding: the share of tokens that are each id
     (V,); RMSNorm (a 1-D weight and `variance_epsilon`): the mean of x̂² per feature (d,), x̂ the
     normalised input (one row per leading position, e.g. per head for Qwen3's q_norm).
@@ -311,14 +394,14 @@ def collect_stats(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pa
 
     def embedding(name, size):
         def record(_module, args, _out):
-            add(name, torch.bincount(args[0][mask[0]], minlength=size).to(torch.float64))  # (V,)
+            add(name, torch.bincount(args[0][mask[0]], minlength=size).to(STATS_DTYPE))  # (V,)
         return record
 
     def norm(name, eps):
         def record(_module, args, _out):
             x = args[0][mask[0]].to(torch.float64)  # (n, ..., d)
             x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            add(name, x_hat.pow(2).reshape(-1, x.shape[-1]).sum(0))  # (d,)
+            add(name, x_hat.pow(2).reshape(-1, x.shape[-1]).sum(0).to(STATS_DTYPE))  # (d,)
         return record
 
     def halt(_module, _args, _out):
@@ -364,7 +447,7 @@ def collect_stats(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pa
 @torch.no_grad()
 def collect_grams(model: torch.nn.Module, tokenizer, prompts: Sequence[str], batch: int = BATCH) -> dict[str, Tensor]:
     """`collect_stats` over the prompts' tokens: {'<module>.weight': mean_tokens x xᵀ} for every
-    nn.Linear of `model` (float64 (in, in)), and the embeddings' and RMSNorms' statistics."""
+    nn.Linear of `model` (float32 (in, in)), and the embeddings' and RMSNorms' statistics."""
     ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     return collect_stats(model, ids, tokenizer.pad_token_id, batch)
 
@@ -445,76 +528,17 @@ def merged_stats(models: Sequence[torch.nn.Module], sequences: Sequence[Sequence
 
 
 # What the process keeps, and what it costs (docs/memory.md). Per expert and settings, its statistics:
-# for every nn.Linear a float64 Gram (in, in), plus an embedding's token shares (V,) and each RMSNorm's
-# moments (d,): 8 · Σ_linear in² bytes, e.g. 8 · (4·h² + 2·h² + i²) per Qwen3 block of hidden h,
-# intermediate i (q, k, v, o, gate, up, down; q, k and v see the same input, so do gate and up, but
-# each keeps its own Gram). They grow with the number of experts, as the method needs, but live on
-# disk (a safetensors file per expert in a temporary directory) and are read tensor by tensor
-# (opd.weights.lazy.LazyStateDict) as the streamed merge visits each layer: a merge holds one
-# layer's Grams of every expert, not all of them. The models are not kept: RegMean++ (propagate=
-# merged) loads the experts again from their directories for its block-by-block passes, and holds
-# them all while it runs, with their statistics in memory.
-_CACHE: dict[tuple, Mapping[str, Tensor]] = {}  # (content hash, capability, prompts, seed, inputs) -> stats
-_SEQS: dict[tuple, list[list[int]]] = {}  # same key -> the token ids they were taken over
-_MODELS: dict[tuple, tuple] = {}  # same key -> (model directory, pad id), for RegMean++'s passes
-_CANON: dict[str, str] = {}  # merge input id or path -> its resolved path
-_BOUND: dict[tuple[str, int, str], tuple] = {}  # (resolved path, prompts, inputs) -> _CACHE key
-_MERGED: OrderedDict[tuple, dict[str, dict[str, Tensor]]] = OrderedDict()  # RegMean++ set -> path -> stats
+# for every nn.Linear a float32 Gram (in, in) (STATS_DTYPE), plus an embedding's token shares (V,) and
+# each RMSNorm's moments (d,): 4 · Σ_linear in² bytes, e.g. 4 · (6·h² + i²) per Qwen3 block of hidden
+# h, intermediate i (q, k, v, o, gate, up see h inputs, down sees i; q/k/v and gate/up see the same
+# input, but each keeps its own Gram). They grow with the number of experts, as the method needs, but
+# live on disk (a safetensors file per expert in a temporary directory) and are read a tensor at a
+# time (opd.weights.lazy.LazyStateDict): the streamed merge (`merge_streamed`) reads one expert's
+# weight and Gram at a time and keeps running sums, so it holds one layer's sums, not N Grams. The
+# models are not kept: RegMean++ (propagate=merged) loads the experts again from their directories
+# for its block-by-block passes, and holds them all while it runs, with their statistics in memory.
+STATS_DTYPE = torch.float32  # the statistics' dtype; the solve runs in float64 (`regmean_merge`)
 MERGED_KEEP = 4  # RegMean++ statistics depend on every setting: keep the last few sets
-
-
-def expert_grams(path: str | Path, prompts: int = PROMPTS, inputs: str = INPUTS) -> dict[str, Tensor]:
-    """The statistics of the expert at `path` on `prompts` prompts of its manifest's capability (cached)."""
-    return _CACHE[_ensure(path, prompts, inputs)]
-
-
-def _ensure(path: str | Path, prompts: int, inputs: str = INPUTS) -> tuple:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from opd.model_inputs import expert_record
-
-    manifest = expert_record(path)
-    key = (manifest.content_hash, manifest.capability, prompts, DATA_SEED, inputs)
-    if key not in _CACHE:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        seqs = lab_sequences(model, tokenizer, manifest.capability, prompts, inputs)
-        stats = collect_stats(model, seqs, tokenizer.pad_token_id)
-        tied = tied_head(model)
-        if tied is not None and tied[1] in stats:
-            stats[tied[0] + HEAD] = stats[tied[1]]
-        _CACHE[key], _SEQS[key], _MODELS[key] = _spill(stats), seqs, (str(path), tokenizer.pad_token_id)
-    return key
-
-
-def _spill(stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
-    """The statistics written to a safetensors file of the process's spill directory, and a lazy
-    mapping over it: read a tensor at a time, so the cache does not hold N experts' Grams in memory."""
-    import atexit
-    import shutil
-    import tempfile
-
-    from mergekit.io.tensor_writer import TensorWriter
-
-    from opd.weights.lazy import LazyStateDict
-
-    global _SPILL
-    if _SPILL is None:
-        _SPILL = Path(tempfile.mkdtemp(prefix="opd-regmean-"))
-        atexit.register(shutil.rmtree, _SPILL, True)
-    d = _SPILL / f"stats-{len(list(_SPILL.iterdir()))}"
-    # a tied head's Gram is the head's own tensor under a second name, and safetensors refuses shared
-    # storage: that alias alone is copied (a copy of all would double the statistics in memory). Written in shards of 64 MiB (mergekit's TensorWriter), so
-    # serialising does not copy all of them at once either.
-    seen = set()
-    with TensorWriter(str(d), max_shard_size=64 << 20) as w:
-        for k, v in stats.items():
-            w.save_tensor(k, v.clone() if v.data_ptr() in seen else v)
-            seen.add(v.data_ptr())
-    return LazyStateDict(d, names=list(stats), dtype=None)
-
-
-_SPILL: Path | None = None
 
 
 class _Settings(tuple):
@@ -542,39 +566,8 @@ def _merged_key(settings: tuple, members: Sequence[tuple[str, float]]) -> tuple:
     return (*settings, tuple(members))
 
 
-def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
-            per_model: Mapping[Hashable, Mapping] | None = None, base: str | Path | None = None) -> None:
-    """Compute (or find) the statistics of each input and bind them to its id and its resolved path,
-    so both merge paths (ids = names in memory, ModelReferences in run_merge) find them. For
-    propagate=merged, also RegMean++'s statistics of the whole set with its importances (each input's
-    `weight` in `per_model`, default 1; a single number, as the block-by-block merge needs)."""
-    settings = _Settings(shared)
-    prompts, inputs, propagate, alpha, embeddings, norms = settings
-    members, keys = [], []
-    for input_id, path in paths.items():
-        canon = str(Path(path).resolve())
-        key = _ensure(path, prompts, inputs)
-        _CANON[str(input_id)] = _CANON[canon] = canon
-        _BOUND[(canon, prompts, inputs)] = key
-        weight = (per_model or {}).get(input_id, {}).get("weight", 1.0)
-        if propagate == "merged" and (isinstance(weight, bool) or not isinstance(weight, int | float)):
-            raise OpdError(f"regmean propagate=merged needs one weight per expert, got {weight!r} for {input_id!r}")
-        members.append((canon, weight))
-        keys.append(key)
-    if propagate != "merged":
-        return
-    mkey = _merged_key(settings, members)
-    if mkey not in _MERGED:
-        from transformers import AutoModelForCausalLM
-
-        models = [AutoModelForCausalLM.from_pretrained(_MODELS[k][0], dtype=torch.float32).eval() for k in keys]
-        stats = merged_stats(models, [_SEQS[k] for k in keys], [_CACHE[k] for k in keys], _MODELS[keys[0]][1],
-                             float(alpha), [float(w) for _, w in members], embeddings, norms)
-        del models
-        _MERGED[mkey] = {canon: s for (canon, _), s in zip(members, stats)}
-        while len(_MERGED) > MERGED_KEEP:
-            _MERGED.popitem(last=False)
-    _MERGED.move_to_end(mkey)
+def _merged_key(settings: tuple, members: Sequence[tuple[str, float]]) -> tuple:
+    return (*settings, tuple(members))
 
 
 def _input_key(input_id: Hashable) -> str:
@@ -582,14 +575,152 @@ def _input_key(input_id: Hashable) -> str:
     return str(Path(model.path).resolve()) if model is not None else str(input_id)
 
 
-def _canon(input_id: Hashable, prompts: int, inputs: str, method: str = "regmean") -> str:
-    canon = _CANON.get(_input_key(input_id))
-    if canon is None or (canon, prompts, inputs) not in _BOUND:
-        raise OpdError(f"{method}: no Gram matrices for merge input {_input_key(input_id)!r} (prompts={prompts}, "
-                       f"inputs={inputs}); opd computes them from the expert's directory before merging "
-                       "(opd.weights.regmean.prepare, called by opd.weights.merge.merge_candidate and run_mergekit); "
-                       "a plain mergekit-yaml cannot")
-    return canon
+class StatsStore:
+    """The statistics a process has computed, and which merge inputs they are bound to.
+
+    One store (`STORE`) serves the process: a search computes each expert's statistics once. Tests
+    and tools that need a clean slate call `clear()`, or make a store of their own."""
+
+    def __init__(self, merged_keep: int = MERGED_KEEP):
+        self.merged_keep = merged_keep
+        self.stats: dict[tuple, Mapping[str, Tensor]] = {}  # (content hash, capability, prompts, seed, inputs) -> stats
+        self.seqs: dict[tuple, list[list[int]]] = {}  # same key -> the token ids they were taken over
+        self.models: dict[tuple, tuple[str, int]] = {}  # same key -> (model directory, pad id), for RegMean++
+        self.canon: dict[str, str] = {}  # merge input id or path -> its resolved path
+        self.bound: dict[tuple[str, int, str], tuple] = {}  # (resolved path, prompts, inputs) -> stats key
+        self.merged: OrderedDict[tuple, dict[str, dict[str, Tensor]]] = OrderedDict()  # RegMean++ set -> path -> stats
+        self.spill_dir: Path | None = None
+
+    def clear(self) -> None:
+        """Forget every statistic and binding (the spill files stay until the process ends)."""
+        for d in (self.stats, self.seqs, self.models, self.canon, self.bound, self.merged):
+            d.clear()
+
+    def ensure(self, path: str | Path, prompts: int, inputs: str = INPUTS) -> tuple:
+        """The key of the statistics of the expert at `path` (computed now if new to the store)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from opd.model_inputs import expert_record
+
+        manifest = expert_record(path)
+        key = (manifest.content_hash, manifest.capability, prompts, DATA_SEED, inputs)
+        if key not in self.stats:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            seqs = lab_sequences(model, tokenizer, manifest.capability, prompts, inputs)
+            stats = collect_stats(model, seqs, tokenizer.pad_token_id)
+            tied = tied_head(model)
+            if tied is not None and tied[1] in stats:
+                stats[tied[0] + HEAD] = stats[tied[1]]
+            del model
+            self.stats[key], self.seqs[key] = self._spill(stats), seqs
+            self.models[key] = (str(path), tokenizer.pad_token_id)
+        return key
+
+    def _spill(self, stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
+        """The statistics written to a safetensors file of the store's spill directory, and a lazy
+        mapping over it: read a tensor at a time, so the store does not hold N experts' Grams in memory."""
+        import atexit
+        import shutil
+        import tempfile
+
+        from mergekit.io.tensor_writer import TensorWriter
+
+        from opd.weights.lazy import LazyStateDict
+
+        if self.spill_dir is None:
+            self.spill_dir = Path(tempfile.mkdtemp(prefix="opd-regmean-"))
+            atexit.register(shutil.rmtree, self.spill_dir, True)
+        d = self.spill_dir / f"stats-{len(list(self.spill_dir.iterdir()))}"
+        # a tied head's Gram is the head's own tensor under a second name, and safetensors refuses shared
+        # storage: that alias alone is copied. Written in shards of 64 MiB (mergekit's TensorWriter), each
+        # statistic dropped once written, so serialising does not copy all of them at once.
+        seen = set()
+        names = list(stats)
+        with TensorWriter(str(d), max_shard_size=64 << 20) as w:
+            for k in names:
+                v = stats.pop(k)
+                w.save_tensor(k, v.clone() if v.data_ptr() in seen else v)
+                seen.add(v.data_ptr())
+                del v
+        return LazyStateDict(d, names=names, dtype=None)
+
+    def prepare(self, paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
+                per_model: Mapping[Hashable, Mapping] | None = None, base: str | Path | None = None) -> None:
+        """See the module function `prepare`."""
+        settings = _Settings(shared)
+        prompts, inputs, propagate, alpha, embeddings, norms = settings
+        members, keys = [], []
+        for input_id, path in paths.items():
+            canon = str(Path(path).resolve())
+            key = self.ensure(path, prompts, inputs)
+            self.canon[str(input_id)] = self.canon[canon] = canon
+            self.bound[(canon, prompts, inputs)] = key
+            weight = (per_model or {}).get(input_id, {}).get("weight", 1.0)
+            if propagate == "merged" and (isinstance(weight, bool) or not isinstance(weight, int | float)):
+                raise OpdError(f"regmean propagate=merged needs one weight per expert, got {weight!r} for {input_id!r}")
+            members.append((canon, weight))
+            keys.append(key)
+        if propagate != "merged":
+            return
+        mkey = _merged_key(settings, members)
+        if mkey not in self.merged:
+            from transformers import AutoModelForCausalLM
+
+            models = [AutoModelForCausalLM.from_pretrained(self.models[k][0], dtype=torch.float32).eval() for k in keys]
+            stats = merged_stats(models, [self.seqs[k] for k in keys], [self.stats[k] for k in keys],
+                                 self.models[keys[0]][1], float(alpha), [float(w) for _, w in members], embeddings,
+                                 norms)
+            del models
+            self.merged[mkey] = {canon: s for (canon, _), s in zip(members, stats)}
+            while len(self.merged) > self.merged_keep:
+                self.merged.popitem(last=False)
+        self.merged.move_to_end(mkey)
+
+    def resolve(self, input_id: Hashable, prompts: int, inputs: str, method: str = "regmean") -> str:
+        """The resolved path `prepare` bound merge input `input_id` to (OpdError if none)."""
+        canon = self.canon.get(_input_key(input_id))
+        if canon is None or (canon, prompts, inputs) not in self.bound:
+            raise OpdError(f"{method}: no Gram matrices for merge input {_input_key(input_id)!r} (prompts={prompts}, "
+                           f"inputs={inputs}); opd computes them from the expert's directory before merging "
+                           "(opd.weights.regmean.prepare, called by opd.weights.merge.merge_candidate and "
+                           "run_mergekit); a plain mergekit-yaml cannot")
+        return canon
+
+    def input_stats(self, ids: Sequence[Hashable], prompts: int = PROMPTS, inputs: str = INPUTS,
+                    method: str = "regmean") -> list[Mapping[str, Tensor]]:
+        """See the module function `input_stats`."""
+        return [self.stats[self.bound[(c, prompts, inputs)]]
+                for c in (self.resolve(i, prompts, inputs, method) for i in ids)]
+
+    def for_merge(self, ids: Sequence[Hashable], settings: tuple, weights: Sequence[float]) -> list[Mapping[str, Tensor]]:
+        """Each input's statistics for these settings (RegMean++'s for the set when propagate=merged)."""
+        prompts, inputs, propagate = settings[:3]
+        if propagate != "merged":
+            return self.input_stats(ids, prompts, inputs)
+        canons = [self.resolve(i, prompts, inputs) for i in ids]
+        mkey = _merged_key(settings, list(zip(canons, weights)))
+        if mkey not in self.merged:
+            raise OpdError(f"regmean propagate=merged: no statistics for this set of inputs and settings {settings}; "
+                           "opd.weights.regmean.prepare computes them before the merge, with the same weights")
+        return [self.merged[mkey][c] for c in canons]
+
+
+STORE = StatsStore()  # the process's statistics: a search computes each expert's once
+
+
+def expert_grams(path: str | Path, prompts: int = PROMPTS, inputs: str = INPUTS) -> Mapping[str, Tensor]:
+    """The statistics of the expert at `path` on `prompts` prompts of its manifest's capability (cached)."""
+    return STORE.stats[STORE.ensure(path, prompts, inputs)]
+
+
+def prepare(paths: Mapping[Hashable, str | Path], shared: Mapping | None = None,
+            per_model: Mapping[Hashable, Mapping] | None = None, base: str | Path | None = None) -> None:
+    """Compute (or find) the statistics of each input and bind them to its id and its resolved path,
+    so both merge paths (ids = names in memory, ModelReferences in run_merge) find them. For
+    propagate=merged, also RegMean++'s statistics of the whole set with its importances (each input's
+    `weight` in `per_model`, default 1; a single number, as the block-by-block merge needs)."""
+    STORE.prepare(paths, shared, per_model, base)
 
 
 def input_stats(ids: Sequence[Hashable], prompts: int = PROMPTS, inputs: str = INPUTS,
@@ -597,20 +728,7 @@ def input_stats(ids: Sequence[Hashable], prompts: int = PROMPTS, inputs: str = I
     """Each merge input's own statistics (its forward pass's, bound by `prepare`), for a method that
     reads them by input id: RegMean, and WUDI's data term (opd.weights.wudi). OpdError, naming
     `method` and the input, where `prepare` did not run for it with these settings."""
-    return [_CACHE[_BOUND[(c, prompts, inputs)]] for c in (_canon(i, prompts, inputs, method) for i in ids)]
-
-
-def _stats(ids: Sequence[Hashable], settings: tuple, weights: Sequence[float]) -> list[Mapping[str, Tensor]]:
-    """Each input's statistics for these settings (RegMean++'s for the set when propagate=merged)."""
-    prompts, inputs, propagate = settings[:3]
-    if propagate != "merged":
-        return input_stats(ids, prompts, inputs)
-    canons = [_canon(i, prompts, inputs) for i in ids]
-    mkey = _merged_key(settings, list(zip(canons, weights)))
-    if mkey not in _MERGED:
-        raise OpdError(f"regmean propagate=merged: no statistics for this set of inputs and settings {settings}; "
-                       "opd.weights.regmean.prepare computes them before the merge, with the same weights")
-    return [_MERGED[mkey][c] for c in canons]
+    return STORE.input_stats(ids, prompts, inputs, method)
 
 
 # mergekit adapter: the inputs are the experts (no base); the statistics come from `prepare`.
@@ -638,7 +756,7 @@ def regmean_method(group: TensorGroup, weight: PerInput[float] = 1.0,
     name = group.metadata.name or ""
     settings = _Settings({"prompts": prompts, "inputs": inputs, "propagate": propagate, "alpha": alpha,
                           "embeddings": embeddings, "norms": norms})
-    stats = _stats([e.id for e in entries], settings, importance)
+    stats = STORE.for_merge([e.id for e in entries], settings, importance)
     heads = [s.get(name + HEAD) for s in stats]
     return merge_tensor(tensors, [s.get(name) for s in stats], alpha, importance, embeddings, norms,
                         heads if all(h is not None for h in heads) else None)

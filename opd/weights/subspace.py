@@ -24,7 +24,7 @@ map with a spectrum, and its update is usually confined to the tokens a task saw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import torch
@@ -89,7 +89,7 @@ def iso_c(deltas: Sequence[Tensor], alpha: float = 1.0) -> Tensor:
     ds, out_dtype = _promote(deltas)
     if ds[0].ndim != 2:
         return task_mean(ds, alpha).to(out_dtype)
-    u, s, vh = torch.linalg.svd(torch.stack(ds).sum(0), full_matrices=False)  # (m, r), (r,), (r, n)
+    u, s, vh = torch.linalg.svd(sum(ds), full_matrices=False)  # (m, r), (r,), (r, n)
     keep = s > _tolerance(ds)
     if not keep.any():
         return torch.zeros_like(ds[0]).to(out_dtype)
@@ -128,7 +128,7 @@ def iso_cts(deltas: Sequence[Tensor], alpha: float = 1.0, common_space_fraction:
         return task_mean(ds, alpha).to(out_dtype)
     k, s_task = iso_cts_dims(min(ds[0].shape), len(ds), common_space_fraction)
     tol = _tolerance(ds)
-    u, s, vh = torch.linalg.svd(torch.stack(ds).sum(0), full_matrices=False)  # (m, r), (r,), (r, n)
+    u, s, vh = torch.linalg.svd(sum(ds), full_matrices=False)  # (m, r), (r,), (r, n)
     keep = s[:k] > tol
     u_c = u[:, :k][:, keep]  # (m, k') common column space
     us, ss, vhs = [u_c], [s[:k][keep]], [vh[:k][keep]]
@@ -217,3 +217,137 @@ def iso_cts_merge(group: TensorGroup, weight: PerNonBase[float] = 1.0, alpha: Al
 
 
 METHODS = (tsv_m_merge, iso_c_merge, iso_cts_merge)
+
+
+# Streamed: the same merges with the task matrices read one at a time (opd.weights.lazy), for a
+# matrix whose T copies do not fit a merge's run. What is held does not grow with T: one task
+# matrix, their running sum, and the singular factors kept, r columns in all (TSV-M: k = r/T per
+# task; Iso-CTS: the common k plus s = (r - k)/T per task). The operations and their order are
+# those of `tsv_m`, `iso_c` and `iso_cts` on the list (its sums are `sum(ds)`, in order), so the
+# merged matrix is the same tensor; the price is reading each task matrix twice for Iso-CTS.
+
+
+def merge_streamed(inp, method: str, params: dict) -> Tensor:
+    """mergekit method `method` (tsv_m, iso_c, iso_cts) on one decomposed matrix of `inp`
+    (opd.weights.lazy.TensorInputs), Δ_t = weight_t · (expert_t − base) read one at a time;
+    `params`: plain values (weight: {expert id: value}, alpha, common_space_fraction)."""
+    base = inp.read(inp.base)
+    experts = inp.experts
+
+    def delta(t: int) -> Tensor:
+        e = experts[t]
+        return params["weight"][e] * (inp.read(e) - base)
+
+    alpha = params["alpha"]
+    if method == "tsv_m":
+        merged = tsv_m_streamed(delta, len(experts), alpha)
+    elif method == "iso_c":
+        merged = iso_cts_streamed(delta, len(experts), alpha, 1.0, iso_c_rule=True)
+    else:
+        merged = iso_cts_streamed(delta, len(experts), alpha, params["common_space_fraction"])
+    return base + merged.to(base.dtype)
+
+
+def _work(d: Tensor, shape: tuple | None) -> Tensor:
+    """One task matrix in the dtype the SVD takes (as `_promote`), its shape checked against `shape`."""
+    if shape is not None and tuple(d.shape) != shape:
+        raise ValueError(f"task matrices differ in shape: {sorted({shape, tuple(d.shape)})}")
+    return d.to(torch.promote_types(d.dtype, torch.float32))
+
+
+def _norms_and_sum(delta: Callable[[int], Tensor], n_tasks: int) -> tuple[Tensor, float, torch.dtype]:
+    """One pass: Σ_t Δ_t (in order), `_tolerance`'s cut for the T matrices, and their dtype."""
+    total, norms, shape, out_dtype = None, [], None, None
+    for t in range(n_tasks):
+        raw = delta(t)
+        out_dtype = out_dtype or raw.dtype
+        d = _work(raw, shape)
+        shape = tuple(d.shape)
+        norms.append(torch.linalg.matrix_norm(d).item())
+        total = d if total is None else total + d
+        del d, raw
+    scale = max(norms + [torch.linalg.matrix_norm(total).item()])
+    return total, max(shape) * torch.finfo(total.dtype).eps * scale, out_dtype
+
+
+def tsv_m_streamed(delta: Callable[[int], Tensor], n_tasks: int, alpha: float = 1.0,
+                   rank_fraction: float | None = None) -> Tensor:
+    """`tsv_m([delta(0), ..., delta(T-1)], alpha, rank_fraction)`, reading each Δ_t once and keeping
+    its top k singular factors, not Δ_t (the cut at the tolerance is applied once all are read)."""
+    if n_tasks < 1:
+        raise ValueError("a subspace merge needs at least one task matrix")
+    first = delta(0)
+    if first.ndim != 2:
+        return task_mean([delta(t) for t in range(n_tasks)], alpha)
+    r = min(first.shape)
+    f = 1 / n_tasks if rank_fraction is None else rank_fraction
+    if not 0 < f <= 1:
+        raise ValueError(f"tsv_m: rank_fraction must be in (0, 1], got {f}")
+    k = max(1, int(r * f))
+    out_dtype, shape = first.dtype, tuple(first.shape)
+    del first
+    total, norms, factors = None, [], []
+    for t in range(n_tasks):
+        d = _work(delta(t), shape)
+        norms.append(torch.linalg.matrix_norm(d).item())
+        total = d if total is None else total + d
+        u, s, vh = torch.linalg.svd(d, full_matrices=False)  # (m, r), (r,), (r, n)
+        factors.append((u[:, :k].clone(), s[:k].clone(), vh[:k].clone()))  # copies: the full factors go
+        del d, u, s, vh
+    tol = max(shape) * torch.finfo(total.dtype).eps * max(norms + [torch.linalg.matrix_norm(total).item()])
+    del total
+    us, ss, vhs = [], [], []
+    for u, s, vh in factors:
+        keep = s > tol
+        us.append(u[:, keep])
+        ss.append(s[keep])
+        vhs.append(vh[keep])
+    s_cat = torch.cat(ss)
+    if not len(s_cat):
+        return torch.zeros(shape, dtype=out_dtype)
+    u_perp = _orthogonalise(torch.cat(us, 1))  # (m, c)
+    vh_perp = _orthogonalise(torch.cat(vhs, 0))  # (c, n)
+    return (alpha * (u_perp * s_cat) @ vh_perp).to(out_dtype)
+
+
+def iso_cts_streamed(delta: Callable[[int], Tensor], n_tasks: int, alpha: float = 1.0,
+                     common_space_fraction: float = 0.8, iso_c_rule: bool = False) -> Tensor:
+    """`iso_cts([delta(0), ...], alpha, common_space_fraction)` (with `iso_c_rule`: `iso_c`), reading
+    the Δ_t once for their sum and the tolerance, and again, one at a time, for the task-specific
+    factors after the common subspace is projected out."""
+    if not 0 <= common_space_fraction <= 1:
+        raise ValueError(f"iso_cts: common_space_fraction must be in [0, 1], got {common_space_fraction}")
+    if n_tasks < 1:
+        raise ValueError("a subspace merge needs at least one task matrix")
+    first = delta(0)
+    if first.ndim != 2:
+        return task_mean([delta(t) for t in range(n_tasks)], alpha)
+    del first
+    total, tol, out_dtype = _norms_and_sum(delta, n_tasks)
+    u, s, vh = torch.linalg.svd(total, full_matrices=False)  # (m, r), (r,), (r, n)
+    del total
+    if iso_c_rule:
+        keep = s > tol
+        if not keep.any():
+            return torch.zeros((u.shape[0], vh.shape[1]), dtype=out_dtype)
+        return (alpha * s[keep].mean() * u[:, keep] @ vh[keep]).to(out_dtype)
+    shape = (u.shape[0], vh.shape[1])
+    k, s_task = iso_cts_dims(min(shape), n_tasks, common_space_fraction)
+    keep = s[:k] > tol
+    u_c = u[:, :k][:, keep].clone()  # (m, k') common column space
+    us, ss, vhs = [u_c], [s[:k][keep].clone()], [vh[:k][keep].clone()]
+    del u, s, vh
+    for t in range(n_tasks):
+        d = _work(delta(t), shape)
+        ut, st, vht = torch.linalg.svd(d - u_c @ (u_c.T @ d), full_matrices=False)
+        keep = st[:s_task] > tol
+        us.append(ut[:, :s_task][:, keep].clone())
+        ss.append(st[:s_task][keep].clone())
+        vhs.append(vht[:s_task][keep].clone())
+        del d, ut, st, vht
+    s_cat = torch.cat(ss)
+    if not len(s_cat):
+        return torch.zeros(shape, dtype=out_dtype)
+    u_perp = _orthogonalise(torch.cat(us, 1))  # (m, c)
+    vh_perp = _orthogonalise(torch.cat(vhs, 0))  # (c, n)
+    return (alpha * s_cat.mean() * u_perp @ vh_perp).to(out_dtype)
