@@ -264,7 +264,6 @@ def test_the_cycle_finder_finds_cycles():
 
 # Files that other branches rework at the same time: their imports get their reasons (or move up) when
 # those branches land. The lead empties this list after merging; do not add to it.
-TODO_OTHER_HELPERS = ("opd/weights/lazy.py", "opd/weights/regmean.py", "opd/weights/layers.py")
 
 
 def _count_lazy():
@@ -277,8 +276,7 @@ def _count_lazy():
 
 def test_every_function_level_import_says_why_it_is_lazy():
     found = _count_lazy().collect([OPD])
-    bad = [f"{i.path.relative_to(ROOT)}:{i.line}: {i.text}" for i in found if i.reason is None
-           and not str(i.path.relative_to(ROOT)).startswith(TODO_OTHER_HELPERS)]
+    bad = [f"{i.path.relative_to(ROOT)}:{i.line}: {i.text}" for i in found if i.reason is None]
     assert not bad, ("imports inside functions without a `# lazy: <reason>` comment (on the line or the one "
                      "above): move them to the top of the file, or say why they must wait (a heavy or optional "
                      "dependency that an importer of this module must not pay for, or an import cycle):\n  "

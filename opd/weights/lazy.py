@@ -23,13 +23,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from mergekit import merge_methods as mm
+from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
+from mergekit.merge_methods import PerGroupValues, merge_state_dicts
+from mergekit.merge_methods.base import ParameterScope
+from safetensors import safe_open
 
 
 class LazyStateDict(Mapping):
     """A model directory's tensors, each read from its safetensors file when indexed (`reads` counts)."""
 
     def __init__(self, path: str | Path, names: Sequence[str] | None = None, dtype: torch.dtype | None = torch.float32):
-        from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
 
         self.path = Path(path)
         index = ShardedTensorIndex.from_disk(str(self.path))
@@ -46,7 +50,6 @@ class LazyStateDict(Mapping):
         self._headers: dict | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
 
         if name not in self._set:
             raise KeyError(name)
@@ -66,7 +69,6 @@ class LazyStateDict(Mapping):
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows lo:hi of tensor `name` (along its first axis), read without reading the rest."""
-        from safetensors import safe_open
 
         if name not in self._set:
             raise KeyError(name)
@@ -81,7 +83,6 @@ class LazyStateDict(Mapping):
 
     def _header(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype string) of a stored tensor, from its file's header (read once)."""
-        from safetensors import safe_open
 
         if self._headers is None:
             self._headers = {}
@@ -184,7 +185,10 @@ def merge_streamed(models: Mapping, ids: Sequence, name: str, method: str, param
     (tests/test_lazy_streamed.py): the same operations, so the same numbers up to the order torch adds
     a block's N inputs in, which it picks by the block's shape (1 ulp seen), and for TIES the choice
     among magnitudes tied at a task vector's cut."""
-    from opd.weights import regmean, subspace
+    from opd.weights import (  # lazy: cycle: opd.weights.regmean reads stored tensors through this module
+        regmean,
+        subspace,
+    )
 
     inp = TensorInputs(models, ids, name, base)
     if not inp.shape:  # a scalar has no rows
@@ -207,9 +211,6 @@ def merge_streamed(models: Mapping, ids: Sequence, name: str, method: str, param
 def _values(method: str, params: dict, ids: Sequence) -> dict:
     """A run of one tensor's parameters as plain values: shared ones as scalars, per-input ones as
     {id: value}; mergekit's declared defaults where a parameter is not given."""
-    from mergekit import merge_methods as mm
-    from mergekit.merge_methods import PerGroupValues
-    from mergekit.merge_methods.base import ParameterScope
 
     out = {}
     for spec in mm.get(method).spec.parameters:
@@ -226,7 +227,6 @@ def merge_rows(inp: TensorInputs, method: str, params: dict, budget: int) -> tor
     """Tensor `inp.name` merged by mergekit's `method` a block of rows at a time (each block within
     `budget` bytes over all inputs and their copies), for a method whose merged element depends only
     on the inputs' same element: the same numbers as whole."""
-    from mergekit.merge_methods import merge_state_dicts
 
     step = inp.row_step(budget, len(inp.ids) * TEMPORARIES.get(method, 2))
     out = None  # filled block by block: a concatenation would hold the tensor twice
@@ -340,7 +340,6 @@ def ties(inp: TensorInputs, params: dict, budget: int) -> torch.Tensor:
     election, disjoint mean, weights, normalize, lambda) on the trimmed deltas with density 1 against
     a zero base, added to the base. mergekit computes base + its mixed delta the same way, so this is
     its result element for element (tests/test_lazy_streamed.py)."""
-    from mergekit.merge_methods import merge_state_dicts
 
     v = _values("ties", params, inp.experts)
     step = inp.row_step(budget, len(inp.ids) * TEMPORARIES["ties"])

@@ -58,18 +58,27 @@ Settings (the method's shared parameters; a recipe searches or fixes them, the e
 
 from __future__ import annotations
 
+import atexit
 import copy
 import random
+import shutil
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 import torch
+from mergekit.io.tensor_writer import TensorWriter
 from mergekit.merge_methods import BasePolicy, InputContract, PerInput, TensorGroup, merge_method
 from pydantic import Field
 
+from opd.capabilities import get_capability
 from opd.errors import OpdError
+from opd.model_inputs import expert_record
+from opd.rollout.base import SamplingParams
+from opd.rollout.embedded import EmbeddedEngine
+from opd.weights.lazy import LazyStateDict
 
 Tensor = torch.Tensor
 PROMPTS = 64  # unlabelled train prompts per expert, the method's default
@@ -332,7 +341,6 @@ def _importance(weights: Sequence[Tensor], importance: Sequence[float] | None) -
 
 def lab_prompts(capability: str, n: int, seed: int = DATA_SEED) -> list[str]:
     """n train-split prompts of `capability` (repeats possible in a small prompt space), no answers."""
-    from opd.capabilities import get_capability
 
     cap = get_capability(capability)
     rng = random.Random(f"regmean|{capability}|{seed}")
@@ -353,9 +361,6 @@ def lab_completions(model, tokenizer, capability: str, n: int,
                     seed: int = DATA_SEED) -> tuple[list[list[int]], list[list[int]]]:
     """The token ids of `n` train prompts of `capability` and of `model`'s greedy completion of each,
     its stop token included (up to the capability's max_new_tokens + 2 tokens, as lm-eval generates)."""
-    from opd.capabilities import get_capability
-    from opd.rollout.base import SamplingParams
-    from opd.rollout.embedded import EmbeddedEngine
 
     prompts = lab_prompts(capability, n, seed)
     params = SamplingParams(temperature=0.0, max_new_tokens=get_capability(capability).max_new_tokens + 2)
@@ -598,9 +603,11 @@ class StatsStore:
 
     def ensure(self, path: str | Path, prompts: int, inputs: str = INPUTS) -> tuple:
         """The key of the statistics of the expert at `path` (computed now if new to the store)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import (  # lazy: transformers' Auto classes add ~0.45 s; only the statistics pass loads models
+            AutoModelForCausalLM,
+            AutoTokenizer,
+        )
 
-        from opd.model_inputs import expert_record
 
         manifest = expert_record(path)
         key = (manifest.content_hash, manifest.capability, prompts, DATA_SEED, inputs)
@@ -620,13 +627,8 @@ class StatsStore:
     def _spill(self, stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
         """The statistics written to a safetensors file of the store's spill directory, and a lazy
         mapping over it: read a tensor at a time, so the store does not hold N experts' Grams in memory."""
-        import atexit
-        import shutil
-        import tempfile
 
-        from mergekit.io.tensor_writer import TensorWriter
 
-        from opd.weights.lazy import LazyStateDict
 
         if self.spill_dir is None:
             self.spill_dir = Path(tempfile.mkdtemp(prefix="opd-regmean-"))
@@ -665,7 +667,9 @@ class StatsStore:
             return
         mkey = _merged_key(settings, members)
         if mkey not in self.merged:
-            from transformers import AutoModelForCausalLM
+            from transformers import (
+                AutoModelForCausalLM,  # lazy: transformers' Auto classes add ~0.45 s; only the statistics pass loads models
+            )
 
             models = [AutoModelForCausalLM.from_pretrained(self.models[k][0], dtype=torch.float32).eval() for k in keys]
             stats = merged_stats(models, [self.seqs[k] for k in keys], [self.stats[k] for k in keys],
