@@ -8,8 +8,9 @@ does not place fails the test: put it on a floor when you add it.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from import_walk import walk_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,18 +67,9 @@ def node_of(module: str) -> str | None:
 
 def imports(module: str, path: Path) -> list[tuple[int, str]]:
     """(line, imported module) for every opd import of one file, at any depth of its code."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([node.module] if node.module else []))
-            # `from opd.merge import trials` imports the module opd.merge.trials
-            out += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base) for a in node.names]
+    # `from opd.merge import trials` imports the module opd.merge.trials
+    out = [(line, f"{base}.{name}" if name and f"{base}.{name}" in MODULES else base)
+           for line, base, name in walk_imports(module, path)]
     return list(dict.fromkeys((line, m) for line, m in out if m.split(".")[0] in ("opd", "opd_kernels")))
 
 

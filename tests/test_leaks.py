@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from import_walk import module_name, walk_imports
 
 from opd.errors import OpdError
 
@@ -25,24 +26,12 @@ OPD = ROOT / "opd"
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return module_name(path, ROOT)
 
 
 def _imported(path: Path) -> list[tuple[int, str]]:
     """(line, module) for every import of a file, at any depth, relative ones resolved."""
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([node.module] if node.module else []))
-            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
-    return out
+    return [(line, f"{base}.{name}" if name else base) for line, base, name in walk_imports(_module_name(path), path)]
 
 
 # --- the merge search knows nothing of the lab ------------------------------------------------------
