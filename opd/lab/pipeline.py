@@ -178,11 +178,18 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
 
         specs = expert_jobs(recipe)
         outs = [out or EXPERTS_DIR / name for name, (_, out) in specs.items()]
-        t, before = time.time(), manifest_stamps(outs)
         # every expert starts from the recipe's base (a BPE lab's runs/base-bpe) unless the overrides say otherwise
         overrides = {"base": recipe.base, **{k: str(v) for k, v in train.overrides.items()}}
         if seed is not None:
             overrides["seed"] = str(seed)
+        loaded = [load_expert_spec(spec, **overrides) for spec, _ in specs.values()]
+        if any(s.reward_model_dir for s in loaded):  # learned-reward experts train on a reward model: fit it first
+            from opd.lab.reward_models import ensure_reward_models  # lazy: loads transformers' model classes
+
+            t, before = time.time(), {}
+            fitted = ensure_reward_models(loaded, recipe.base, dict(train.reward_models), log=console.print)
+            record("reward_models", t, before, {"fitted": sorted(fitted)} if fitted else before)
+        t, before = time.time(), manifest_stamps(outs)
         jobs = jobs or train.jobs
         cluster = train.cluster
         if ray is not None:

@@ -12,6 +12,7 @@ from opd.cluster import ClusterSettings
 from opd.config import apply_overrides
 from opd.errors import OpdError, format_validation_error
 from opd.expert.spec import ExpertSpec
+from opd.lab.reward_models import reward_model_settings
 from opd.merge.recipe import MergeRecipe, Scalar, load_recipe
 
 
@@ -32,6 +33,25 @@ class LabTraining(BaseModel):
                                     "(opd/lab/base.yaml) for the lab's base stage, which builds the recipe's "
                                     "`base` directory, e.g. {tokenizer: bpe} for a BPE lab; checked against "
                                     "the base spec when scripts/lab.py loads the recipe")
+
+    reward_models: dict[str, dict[str, Scalar | dict[str, Scalar]]] = Field(
+        default_factory=dict, description="per learned-reward capability, the settings its reward model is fitted "
+        "with before the experts train (opd.capabilities.reward_model.RewardModelSettings, e.g. {anagram: {init: "
+        "scratch}}); the lab fits each learned-reward expert's reward model that is missing or not up to date")
+
+    @field_validator("reward_models")
+    @classmethod
+    def _valid_reward_models(cls, reward_models):
+        for cap, settings in reward_models.items():
+            try:
+                reward_model_settings(cap, dict(settings))
+            except ValidationError as e:
+                err = e.errors()[0]
+                raise ValueError(f"{cap}.{'.'.join(map(str, err['loc']))}: {err['msg']} (the settings are in "
+                                 "opd/capabilities/reward_model.py RewardModelSettings)") from None
+            except OpdError as e:
+                raise ValueError(f"{cap}: {e}") from None
+        return reward_models
 
     @field_validator("overrides")
     @classmethod

@@ -7,6 +7,7 @@ this is the training loop `python scripts/train_reward_model.py` runs.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import random
 import time
 from pathlib import Path
@@ -27,6 +28,14 @@ from opd.errors import OpdError
 from opd.io import state_dict_hash, tokenizer_hash
 from opd.manifest import code_version
 from opd.rl.preference_loss import bradley_terry_loss
+
+
+def base_hash(base_dir: Path) -> str | None:
+    """The base's content hash from its manifest; None for a base without one."""
+    try:
+        return json.loads((Path(base_dir) / "manifest.json").read_text()).get("content_hash")
+    except (OSError, ValueError):
+        return None
 
 
 def train_reward_model(settings: RewardModelSettings, tokenizer, out: Path, log=print, base_dir: Path | None = None
@@ -64,6 +73,8 @@ def train_reward_model(settings: RewardModelSettings, tokenizer, out: Path, log=
         "kind": KIND, "capability": cap.name, "content_hash": state_dict_hash(model),
         "tokenizer_hash": tokenizer_hash(tokenizer), "settings": settings.model_dump(mode="json"),
         "init_from": None if settings.init == "scratch" else str(base_dir),
+        # the lab refits a reward model started from other base weights (opd.lab.reward_models)
+        "init_from_hash": None if settings.init == "scratch" else base_hash(base_dir),
         "spurious": cap.spurious if settings.spurious is None else settings.spurious,
         "heldout": {"split": "val prompts", **heldout_accuracy(model, tokenizer, heldout)},
         "train_accuracy": heldout_accuracy(model, tokenizer, train)["accuracy"],
