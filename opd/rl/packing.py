@@ -63,8 +63,8 @@ def padded(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
 
 def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.float32,
            min_width: int = 64) -> TokenRows:
-    """Documents (consecutive rows with an equal prompt share one) packed first-fit into rows of width
-    max(the longest document, min(min_width, all documents together))."""
+    """Documents (consecutive rows with an equal prompt share one) packed first-fit into rows of one
+    width (`row_width`: one row of their own length when they fit min_width together)."""
     docs: list[list[int]] = []  # row indices of each document
     for b, p in enumerate(prompt_ids):
         if docs and list(prompt_ids[docs[-1][0]]) == list(p):
@@ -72,16 +72,8 @@ def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
         else:
             docs.append([b])
     size = [len(prompt_ids[d[0]]) + sum(max(len(completion_ids[b]) - 1, 0) for b in d) for d in docs]
-    S = max(max(size), min(min_width, sum(size)))  # a small batch is one row of its own length
-    fill: list[int] = []  # used width of each packed row
-    place = [0] * len(docs)  # (row, start) of each document, flattened as row * S + start
-    for i in sorted(range(len(docs)), key=lambda i: -size[i]):  # first-fit decreasing
-        r = next((r for r, f in enumerate(fill) if f + size[i] <= S), None)
-        if r is None:
-            r = len(fill)
-            fill.append(0)
-        place[i] = r * S + fill[r]
-        fill[r] += size[i]
+    S = row_width(size, min_width)
+    place, fill = first_fit(size, S)
     R = len(fill)
     # filled as Python lists, one tensor each at the end: slicing tensors per document costs more than the
     # documents' tokens (a step lays out a few hundred documents, each of ~10 tokens)
@@ -117,6 +109,39 @@ def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
     mask = torch.zeros((R, 1, S, S), dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     return TokenRows(ids, mask, pos, torch.tensor(index, dtype=torch.long))
 
+
+def first_fit(size: list[int], S: int) -> tuple[list[int], list[int]]:
+    """Documents of `size` tokens packed first-fit decreasing into rows of width S: each document's flat
+    start (row * S + column) and each row's used width."""
+    fill: list[int] = []
+    place = [0] * len(size)
+    for i in sorted(range(len(size)), key=lambda i: -size[i]):
+        r = next((r for r, f in enumerate(fill) if f + size[i] <= S), None)
+        if r is None:
+            r = len(fill)
+            fill.append(0)
+        place[i] = r * S + fill[r]
+        fill[r] += size[i]
+    return place, fill
+
+
+def row_width(size: list[int], min_width: int = 64) -> int:
+    """The packed rows' width for documents of `size` tokens. All of them within `min_width`: one row of
+    their own length. Otherwise the width in [the longest document, min_width] whose first-fit packing
+    has the fewest positions (rows x width; the smaller width on a tie), since every position, padding
+    too, costs the same in the linear layers and a narrower row less in attention. A fixed width of
+    min_width left ~13% of the positions as padding on the lab's OPD minibatches (documents of ~23
+    tokens: two fill 46 of 64)."""
+    total, longest = sum(size), max(size)
+    if total <= min_width or longest >= min_width:
+        return max(longest, min(min_width, total))
+    best = None  # (positions, width)
+    # by the lower bound on positions, ceil(total / S) * S, so the search stops once no width can do better
+    for S in sorted(range(longest, min_width + 1), key=lambda S: (-(-total // S) * S, S)):
+        if best is not None and -(-total // S) * S >= best[0]:
+            break
+        best = min(best or (float("inf"), S), (len(first_fit(size, S)[1]) * S, S))
+    return best[1]
 
 
 def padded_rows(ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, cmask: torch.Tensor) -> TokenRows:
