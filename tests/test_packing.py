@@ -146,3 +146,46 @@ def test_bench_packed_layout_runs_on_a_pico_base(pico_dir):
     assert "torch threads 1" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("ratio: ")
     bad = subprocess.run([sys.executable, str(bench), "--base", str(pico_dir / "nope")], capture_output=True, text=True)
     assert bad.returncode == 2 and "--base" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_last_mlp_at_the_read_positions_only_gives_the_same_states_and_gradients(pico_model, tokenizer, layout):
+    rows = lay_out(P, C, tokenizer.pad_token_id, layout)
+    seen = []
+    hook = pico_model.get_decoder().layers[-1].mlp.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape))
+    out = {}
+    for trim in (False, True):
+        pico_model.zero_grad()
+        h = hidden_at(pico_model, rows, last_mlp_at_index=trim)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        out[trim] = (h.detach(), [p.grad.clone() for p in pico_model.parameters()])
+    hook.remove()
+    mlp = pico_model.get_decoder().layers[-1].mlp
+    assert not mlp._forward_hooks and not mlp._forward_pre_hooks  # the trimming's hooks are gone afterwards
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
+    for a, b in zip(out[False][1], out[True][1]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    # untrimmed: every position of the rows; trimmed: each read position once (a prompt's last
+    # position predicts each of its group's first tokens)
+    assert seen[0][:2] == rows.ids.shape
+    assert seen[1][1] == len(set(rows.index.tolist())) < rows.ids.numel()
+
+
+def test_row_width_packs_no_more_positions_than_a_fixed_width():
+    import random
+
+    from opd.rl.packing import first_fit, row_width
+
+    assert row_width([5, 7, 9]) == 21  # together within 64: one row of their own length
+    assert row_width([70, 5]) == 70  # a document longer than 64 sets the width
+    assert row_width([23] * 6) == 23  # rows of one document each, no padding (64 would leave 18 free per row)
+    assert row_width([23, 22] * 3) == 45  # two a row, no padding
+    rng = random.Random(0)
+    for _ in range(50):
+        size = [rng.randrange(8, 40) for _ in range(rng.randrange(3, 40))]
+        S = row_width(size)
+        place, fill = first_fit(size, S)
+        assert max(size) <= S <= max(max(size), 64)
+        fixed = max(max(size), min(64, sum(size)))
+        assert len(fill) * S <= len(first_fit(size, fixed)[1]) * fixed
+        assert all(f <= S for f in fill) and len(set(place)) == len(size)

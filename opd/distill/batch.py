@@ -94,7 +94,7 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     if old_lp:  # the same chunked head as the update, so the first update's ratio is exactly 1
         rows = (padded_rows(ids, attn, plen, cmask) if layout == "padded"
                 else lay_out(prompts, completions, pad_id, "packed").to(device))
-        h = hidden_at(student, rows)  # (N, H)
+        h = hidden_at(student, rows, last_mlp_at_index=True)  # (N, H), as the update's StudentHidden
         old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk),
                                 cmask)
     else:

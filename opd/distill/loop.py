@@ -63,7 +63,7 @@ class StudentHidden(torch.nn.Module):
         self.lm = lm
 
     def forward(self, ids, mask, pos, index) -> torch.Tensor:
-        return hidden_at(self.lm, TokenRows(ids, mask, pos, index))  # (N, H)
+        return hidden_at(self.lm, TokenRows(ids, mask, pos, index), last_mlp_at_index=True)  # (N, H)
 
 
 def minibatches(batch: OpdBatch, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:

@@ -15,6 +15,7 @@ of sum(prompt) + sum(completion - 1) positions instead of rows x max(prompt + co
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -152,11 +153,55 @@ def padded_rows(ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, cmask
     return TokenRows(ids, attn, None, at[cmask.bool()])
 
 
-def hidden_at(model, rows: TokenRows) -> torch.Tensor:
+def hidden_at(model, rows: TokenRows, last_mlp_at_index: bool = False) -> torch.Tensor:
     """Final (post-norm) hidden states that predict each completion token: (N, H). Reading hidden
-    states instead of logits lets the chunked kernels apply the LM head piecewise."""
+    states instead of logits lets the chunked kernels apply the LM head piecewise.
+
+    last_mlp_at_index: the last decoder layer's MLP runs only at the positions `rows.index` reads
+    (`last_mlp_at`); the states read are the same up to float rounding, the others are not computed."""
     mask = rows.mask
     if mask.is_floating_point():  # an additive mask in the model's compute dtype (bf16 under DeepSpeed)
         mask = mask.to(model.get_input_embeddings().weight.dtype)
-    h = model.get_decoder()(input_ids=rows.ids, attention_mask=mask, position_ids=rows.pos).last_hidden_state
+    decoder = model.get_decoder()
+    with last_mlp_at(decoder, rows.index if last_mlp_at_index else None):
+        h = decoder(input_ids=rows.ids, attention_mask=mask, position_ids=rows.pos).last_hidden_state
     return h.reshape(-1, h.shape[-1]).index_select(0, rows.index)  # backward: index_add, not index_put
+
+
+@contextmanager
+def last_mlp_at(decoder, index: torch.Tensor | None):
+    """While open, the decoder's last layer runs its MLP only at the flat positions `index` (into the
+    (R, S) rows; None: everywhere) and adds 0 elsewhere. Only the final states at `index` are read,
+    and after the last layer's attention no position reads another, so the other positions' last MLP
+    (most of a layer's products: 3 x H x I of its ~4 H^2 + 3 H I multiply-adds per position) is work
+    for nothing: on the lab's OPD minibatches a quarter of the positions are prompt tokens that predict
+    nothing. The MLP is per position, so the states at `index` are unchanged up to float rounding,
+    and so are the gradients. A no-op for a decoder without `layers[-1].mlp` (transformers' name in
+    the Llama/Qwen families: `modeling_qwen3.Qwen3DecoderLayer.forward` calls `self.mlp` on
+    (R, S, H) states and adds its output to them), or under activation checkpointing."""
+    layers = getattr(decoder, "layers", None)
+    mlp = getattr(layers[-1], "mlp", None) if layers is not None and len(layers) else None
+    # activation checkpointing reruns the layer in backward, after the hooks are gone
+    if index is None or mlp is None or getattr(decoder, "gradient_checkpointing", False):
+        yield
+        return
+    at = torch.unique(index)  # a prompt's last position predicts each of its group's first tokens
+    shape = []
+
+    def before(_module, args, kwargs):
+        x = args[0]  # (R, S, H)
+        shape.append(x.shape)
+        return (x.reshape(-1, x.shape[-1]).index_select(0, at)[None], *args[1:]), kwargs
+
+    def after(_module, _args, _kwargs, out):
+        R, S, _ = shape.pop()
+        full = out.new_zeros(R * S, out.shape[-1]).index_copy(0, at, out[0])
+        return full.view(R, S, out.shape[-1])
+
+    handles = (mlp.register_forward_pre_hook(before, with_kwargs=True),
+               mlp.register_forward_hook(after, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
