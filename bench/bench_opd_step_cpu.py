@@ -9,7 +9,8 @@ against an earlier commit's, on the same batches: the update (main process) and 
 Each side runs in its own child process (the earlier commit's opd/ and kernels/ from `git archive`),
 alternating before, after, after, before, ... for --repeats rounds; a child samples --batches batches
 from the base student (seeded: both sides sample the same prompts) and times each `_produce` (the
-worker's call), then times `opd_step` on each batch after one untimed warm-up update. CPU time
+worker's call, with the minibatch layouts it makes since #33), then times `opd_step` on each batch
+after one untimed warm-up update. CPU time
 (`time.process_time`), which holds steadier than wall time on a shared machine. Prints medians per
 side and after / before ratios (below 1: faster).
 """
@@ -60,13 +61,15 @@ def child(args) -> None:
     for step in range(args.batches + 1):
         c0 = time.process_time()
         batch = produce(step, mix, rng).batch
+        if hasattr(batch, "lay_out_ahead"):  # the worker lays out the update's minibatches (since #33)
+            batch.lay_out_ahead(cfg.updates_per_batch, torch.Generator().manual_seed(step))
         if step:  # the first call warms up
             out["worker"].append(time.process_time() - c0)
             batches.append(batch)
             out["tokens"].append(batch.gen_tokens)
     policy = StudentHidden(student)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    opd_step(policy, opt, batches[0], cfg, sampler.teachers, None, torch.Generator().manual_seed(0))  # warm-up
+    opd_step(policy, opt, batches[0], cfg, sampler.teachers, None, torch.Generator().manual_seed(1))  # warm-up
     for i, batch in enumerate(batches):
         c0 = time.process_time()
         opd_step(policy, opt, batch, cfg, sampler.teachers, None, torch.Generator().manual_seed(i + 1))

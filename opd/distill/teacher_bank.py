@@ -18,7 +18,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.errors import OpdError
-from opd.rl.packing import lay_out
+from opd.rl.packing import last_mlp_at, lay_out
 
 # Beyond this many bytes of (K, R, T, V) teacher log-probs the loop falls back to per-teacher
 # hidden states and the chunked kernel (a real vocabulary of 150k makes the dense targets too big).
@@ -162,8 +162,9 @@ class TeacherBank:
             for part in chunk_rows(rows.tolist(), prompts, completions, CHUNK_TOKENS):
                 t = lay_out([prompts[b] for b in part], [completions[b] for b in part], pad_id, "packed",
                             self.heads.dtype).to(weights.device)
-                h = self.plain[k](input_ids=t.ids, attention_mask=t.mask, position_ids=t.pos,
-                                  use_cache=False).last_hidden_state
+                with last_mlp_at(self.plain[k], t.index):  # only the states at t.index are read
+                    h = self.plain[k](input_ids=t.ids, attention_mask=t.mask, position_ids=t.pos,
+                                      use_cache=False).last_hidden_state
                 parts.append(h.reshape(-1, h.shape[-1]).index_select(0, t.index))  # (n, H)
             hidden[k] = torch.cat(parts)  # (n_k, H): rows in order, tokens in order
         mixed = torch.zeros(int(real.sum()), self.heads.shape[1], device=weights.device)
