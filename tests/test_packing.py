@@ -98,6 +98,22 @@ def test_packed_teacher_scores_equal_the_padded_bank(pico_model, tokenizer):
     assert float(packed.log_z.abs().max()) > 1e-3  # the mixed capability's normaliser is there
 
 
+def test_packed_scoring_in_chunks_equals_one_forward(pico_model, tokenizer, monkeypatch):
+    import opd.distill.teacher_bank as bank
+
+    teachers = _teachers(pico_model, tokenizer)
+    whole = _batch(pico_model, teachers, tokenizer, "packed")
+    calls = []
+    monkeypatch.setattr(bank, "CHUNK_TOKENS", 5)  # a chunk per group
+    monkeypatch.setattr(bank, "lay_out", lambda p, *a, **k: calls.append(p) or lay_out(p, *a, **k))
+    chunked = _batch(pico_model, teachers, tokenizer, "packed")
+    assert max(len(c) for c in calls) == 3 and all(len({tuple(p) for p in c}) == 1 for c in calls)  # whole groups
+    for name in ("target", "log_z", "teacher_lp"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), atol=1e-5, rtol=0)
+    assert bank.chunk_rows([0, 1, 2, 3], [[1], [1], [2], [2]], [[5, 6]] * 4, 4) == [[0, 1], [2, 3]]
+    assert bank.chunk_rows([0, 1, 2, 3], [[1], [1], [2], [2]], [[5, 6]] * 4, 100) == [[0, 1, 2, 3]]
+
+
 def test_packed_update_equals_the_padded_update(pico_model, tokenizer):
     """One sample per prompt: the same minibatches, so the same loss and weights up to float rounding;
     groups of three: whole groups per minibatch."""

@@ -39,12 +39,12 @@ def chunk_rows(rows: list[int], prompts: list[list[int]], completions: list[list
     out: list[list[int]] = []
     used = 0
     for i, b in enumerate(rows):
-        if not out or (used >= tokens and prompts[b] != prompts[rows[i - 1]]):
+        new_prompt = i == 0 or prompts[b] != prompts[rows[i - 1]]
+        if new_prompt and (not out or used >= tokens):
             out.append([])
             used = 0
         out[-1].append(b)
-        used += len(completions[b]) + (len(prompts[b]) if len(out[-1]) == 1 or prompts[b] != prompts[rows[i - 1]]
-                                       else 0)
+        used += len(completions[b]) + (len(prompts[b]) if new_prompt else 0)
     return out
 
 
