@@ -89,6 +89,29 @@ def test_process_worker_gives_the_threads_run_exactly(tmp_path, tokenizer, teach
     assert not multiprocessing.active_children()  # the worker ended with the run
 
 
+def test_the_worker_lays_out_the_updates_minibatches_and_that_changes_nothing(tmp_path, tokenizer, teachers,
+                                                                             monkeypatch):
+    from opd.distill.batch import OpdBatch
+
+    cfg = DistillConfig(estimator="full", steps=4, lr=3e-3, prompts_per_step=6, group_size=2, layout="packed",
+                        updates_per_batch=3, sample_ahead=True, seed=1)
+    token_rows, found = OpdBatch.token_rows, []
+
+    def spy(self, rows):  # the update's calls: the batch's layouts are there (the worker's own: not yet)
+        if self.laid is not None:
+            found.append(tuple(rows.tolist()) in self.laid)
+        return token_rows(self, rows)
+
+    monkeypatch.setattr(OpdBatch, "token_rows", spy)
+    ahead, _ = _run(cfg, tokenizer, teachers, tmp_path / "a.pt", monkeypatch)
+    assert found == [True] * 12  # every minibatch of the 4 steps came laid out from the worker
+    monkeypatch.setattr(OpdBatch, "lay_out_ahead", lambda *_: None)
+    own, _ = _run(cfg, tokenizer, teachers, tmp_path / "o.pt", monkeypatch)
+    assert len(found) == 12
+    for a, o in zip(ahead.history, own.history, strict=True):
+        assert a["loss"] == o["loss"] and a["kl/count"] == o["kl/count"]
+
+
 def test_process_worker_resumes_a_thread_runs_checkpoint(tmp_path, tokenizer, teachers, monkeypatch):
     # the worker is not part of a run's identity (both sample the same batches): a run checkpointed
     # with a thread continues under a process

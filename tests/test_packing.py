@@ -98,6 +98,22 @@ def test_packed_teacher_scores_equal_the_padded_bank(pico_model, tokenizer):
     assert float(packed.log_z.abs().max()) > 1e-3  # the mixed capability's normaliser is there
 
 
+def test_packed_scoring_in_chunks_equals_one_forward(pico_model, tokenizer, monkeypatch):
+    import opd.distill.teacher_bank as bank
+
+    teachers = _teachers(pico_model, tokenizer)
+    whole = _batch(pico_model, teachers, tokenizer, "packed")
+    calls = []
+    monkeypatch.setattr(bank, "CHUNK_TOKENS", 5)  # a chunk per group
+    monkeypatch.setattr(bank, "lay_out", lambda p, *a, **k: calls.append(p) or lay_out(p, *a, **k))
+    chunked = _batch(pico_model, teachers, tokenizer, "packed")
+    assert max(len(c) for c in calls) == 3 and all(len({tuple(p) for p in c}) == 1 for c in calls)  # whole groups
+    for name in ("target", "log_z", "teacher_lp"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), atol=1e-5, rtol=0)
+    assert bank.chunk_rows([0, 1, 2, 3], [[1], [1], [2], [2]], [[5, 6]] * 4, 4) == [[0, 1], [2, 3]]
+    assert bank.chunk_rows([0, 1, 2, 3], [[1], [1], [2], [2]], [[5, 6]] * 4, 100) == [[0, 1, 2, 3]]
+
+
 def test_packed_update_equals_the_padded_update(pico_model, tokenizer):
     """One sample per prompt: the same minibatches, so the same loss and weights up to float rounding;
     groups of three: whole groups per minibatch."""
@@ -146,3 +162,46 @@ def test_bench_packed_layout_runs_on_a_pico_base(pico_dir):
     assert "torch threads 1" in out.stdout and out.stdout.strip().splitlines()[-1].startswith("ratio: ")
     bad = subprocess.run([sys.executable, str(bench), "--base", str(pico_dir / "nope")], capture_output=True, text=True)
     assert bad.returncode == 2 and "--base" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_last_mlp_at_the_read_positions_only_gives_the_same_states_and_gradients(pico_model, tokenizer, layout):
+    rows = lay_out(P, C, tokenizer.pad_token_id, layout)
+    seen = []
+    hook = pico_model.get_decoder().layers[-1].mlp.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape))
+    out = {}
+    for trim in (False, True):
+        pico_model.zero_grad()
+        h = hidden_at(pico_model, rows, last_mlp_at_index=trim)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        out[trim] = (h.detach(), [p.grad.clone() for p in pico_model.parameters()])
+    hook.remove()
+    mlp = pico_model.get_decoder().layers[-1].mlp
+    assert not mlp._forward_hooks and not mlp._forward_pre_hooks  # the trimming's hooks are gone afterwards
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
+    for a, b in zip(out[False][1], out[True][1]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    # untrimmed: every position of the rows; trimmed: each read position once (a prompt's last
+    # position predicts each of its group's first tokens)
+    assert seen[0][:2] == rows.ids.shape
+    assert seen[1][1] == len(set(rows.index.tolist())) < rows.ids.numel()
+
+
+def test_row_width_packs_no_more_positions_than_a_fixed_width():
+    import random
+
+    from opd.rl.packing import first_fit, row_width
+
+    assert row_width([5, 7, 9]) == 21  # together within 64: one row of their own length
+    assert row_width([70, 5]) == 70  # a document longer than 64 sets the width
+    assert row_width([23] * 6) == 23  # rows of one document each, no padding (64 would leave 18 free per row)
+    assert row_width([23, 22] * 3) == 45  # two a row, no padding
+    rng = random.Random(0)
+    for _ in range(50):
+        size = [rng.randrange(8, 40) for _ in range(rng.randrange(3, 40))]
+        S = row_width(size)
+        place, fill = first_fit(size, S)
+        assert max(size) <= S <= max(max(size), 64)
+        fixed = max(max(size), min(64, sum(size)))
+        assert len(fill) * S <= len(first_fit(size, fixed)[1]) * fixed
+        assert all(f <= S for f in fill) and len(set(place)) == len(size)

@@ -46,6 +46,9 @@ class OpdBatch:
     pad_id: int = 0
     layout: Layout = "padded"
     group: int = 1  # samples per prompt: rows are prompt-major, `group` rows per prompt
+    # Packed: the layouts of the minibatches the update will draw (keyed by their rows), laid out ahead
+    # by the sampling worker (`Sampler`), so the update process does not spend its time on them.
+    laid: dict[tuple[int, ...], TokenRows] | None = None
 
     def token_rows(self, rows: torch.Tensor) -> TokenRows:
         """Rows `rows` of the batch laid out for `hidden_at`: the batch's own padded tensors (so the
@@ -53,8 +56,28 @@ class OpdBatch:
         if self.layout == "padded":
             return padded_rows(self.ids[rows], self.attn[rows], self.plen[rows], self.cmask[rows])
         r = rows.tolist()
+        if self.laid is not None and tuple(r) in self.laid:
+            return self.laid[tuple(r)].to(self.ids.device)
         return lay_out([self.prompts[b] for b in r], [self.completions[b] for b in r], self.pad_id,
                        "packed").to(self.ids.device)
+
+    def lay_out_ahead(self, n: int, generator: torch.Generator) -> None:
+        """Packed: lay out now the `n` minibatches that `minibatches(self, n, generator)` draws (the
+        generator is used up, so pass one seeded as the update's will be)."""
+        if self.layout == "packed":
+            self.laid = {tuple(rows.tolist()): self.token_rows(rows) for rows in minibatches(self, n, generator)}
+
+
+def minibatches(batch: OpdBatch, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+    """`n` random minibatches of row indices (drawn from `generator`, default torch's global one). Packed:
+    whole groups (a group's prompt is laid out once), which for one sample per prompt is the padded
+    layout's row split."""
+    B = len(batch.cmask)
+    if batch.layout == "padded":
+        return torch.randperm(B, generator=generator).to(batch.cmask.device).chunk(n)
+    G = batch.group  # rows are prompt-major, G per prompt
+    groups = torch.randperm(B // G, generator=generator).to(batch.cmask.device).chunk(n)
+    return tuple((g[:, None] * G + torch.arange(G, device=g.device)).reshape(-1) for g in groups)
 
 
 def sample_batch(engine, routes: Routes, mix: dict[str, float], rng: random.Random, *, prompts: int, group: int,
@@ -94,7 +117,7 @@ def build_batch(student, items, groups, teachers: dict[str, Teacher], routes: Ro
     if old_lp:  # the same chunked head as the update, so the first update's ratio is exactly 1
         rows = (padded_rows(ids, attn, plen, cmask) if layout == "padded"
                 else lay_out(prompts, completions, pad_id, "packed").to(device))
-        h = hidden_at(student, rows)  # (N, H)
+        h = hidden_at(student, rows, last_mlp_at_index=True)  # (N, H), as the update's StudentHidden
         old_lp = scatter_tokens(selective_log_softmax(h, lm_head_weight(student), targets[real], kernel_chunk),
                                 cmask)
     else:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from opd_kernels import selective_log_softmax
 
-from opd.distill.batch import OpdBatch, teacher_outputs
+from opd.distill.batch import OpdBatch, minibatches, teacher_outputs
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
 from opd.distill.routing import Routes, prompt_mix, require_routed
@@ -63,19 +63,7 @@ class StudentHidden(torch.nn.Module):
         self.lm = lm
 
     def forward(self, ids, mask, pos, index) -> torch.Tensor:
-        return hidden_at(self.lm, TokenRows(ids, mask, pos, index))  # (N, H)
-
-
-def minibatches(batch: OpdBatch, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
-    """`n` random minibatches of row indices (drawn from `generator`, default torch's global one). Packed:
-    whole groups (a group's prompt is laid out once), which for one sample per prompt is the padded
-    layout's row split."""
-    B = len(batch.cmask)
-    if batch.layout == "padded":
-        return torch.randperm(B, generator=generator).to(batch.cmask.device).chunk(n)
-    G = batch.group  # rows are prompt-major, G per prompt
-    groups = torch.randperm(B // G, generator=generator).to(batch.cmask.device).chunk(n)
-    return tuple((g[:, None] * G + torch.arange(G, device=g.device)).reshape(-1) for g in groups)
+        return hidden_at(self.lm, TokenRows(ids, mask, pos, index), last_mlp_at_index=True)  # (N, H)
 
 
 def estimator_of(cfg: DistillConfig) -> Estimator:

@@ -7,7 +7,8 @@ when step k's batch is taken, so one update behind) while step k's update runs; 
 both cores. The prompt mix and the prompt RNG's state go with each call, and the RNG moves on only
 when its batch is taken, so a checkpoint saves the RNG as it was before the batch in flight and a
 resumed run draws the same prompts (its first batch then samples the checkpoint's student, not the
-one before). The update then draws its minibatches from a per-step generator (`Drawn.generator`),
+one before). The update then draws its minibatches from a per-step generator (`Drawn.generator`;
+the worker lays out those minibatches on the packed layout, `OpdBatch.lay_out_ahead`),
 and in a thread a retention check waits for the batch in flight (`settle`), as both would otherwise
 share torch's global RNG with the sampling.
 
@@ -107,8 +108,11 @@ class Sampler:
         self._ahead = None
         if step + 1 < self.cfg.steps:
             self._ahead = self._worker.submit(step + 1, mix, rng.getstate())
-        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 7_919 + self.rank)
-        return Drawn(batch, time.perf_counter() - t_wait, 0.0, generator)
+        return Drawn(batch, time.perf_counter() - t_wait, 0.0, self.split_generator(step))
+
+    def split_generator(self, step: int) -> torch.Generator:
+        """The random source of step `step`'s minibatch split (sampling ahead)."""
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 7_919 + self.rank)
 
     def settle(self) -> None:
         """Wait for a batch a thread is sampling (before anything else draws from torch's global RNG)."""
@@ -143,4 +147,7 @@ class Sampler:
         """`_produce` from the prompt RNG state given (in the worker); returns the batch and the RNG state after it."""
         prompt_rng = random.Random()
         prompt_rng.setstate(rng_state)
-        return self._produce(step, mix, prompt_rng).batch, prompt_rng.getstate()
+        batch = self._produce(step, mix, prompt_rng).batch
+        # the update's packed minibatch layouts too (the worker has the time: the update is the longer)
+        batch.lay_out_ahead(self.cfg.updates_per_batch, self.split_generator(step))
+        return batch, prompt_rng.getstate()

@@ -15,6 +15,7 @@ of sum(prompt) + sum(completion - 1) positions instead of rows x max(prompt + co
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,8 +64,8 @@ def padded(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
 
 def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.float32,
            min_width: int = 64) -> TokenRows:
-    """Documents (consecutive rows with an equal prompt share one) packed first-fit into rows of width
-    max(the longest document, min(min_width, all documents together))."""
+    """Documents (consecutive rows with an equal prompt share one) packed first-fit into rows of one
+    width (`row_width`: one row of their own length when they fit min_width together)."""
     docs: list[list[int]] = []  # row indices of each document
     for b, p in enumerate(prompt_ids):
         if docs and list(prompt_ids[docs[-1][0]]) == list(p):
@@ -72,16 +73,8 @@ def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
         else:
             docs.append([b])
     size = [len(prompt_ids[d[0]]) + sum(max(len(completion_ids[b]) - 1, 0) for b in d) for d in docs]
-    S = max(max(size), min(min_width, sum(size)))  # a small batch is one row of its own length
-    fill: list[int] = []  # used width of each packed row
-    place = [0] * len(docs)  # (row, start) of each document, flattened as row * S + start
-    for i in sorted(range(len(docs)), key=lambda i: -size[i]):  # first-fit decreasing
-        r = next((r for r, f in enumerate(fill) if f + size[i] <= S), None)
-        if r is None:
-            r = len(fill)
-            fill.append(0)
-        place[i] = r * S + fill[r]
-        fill[r] += size[i]
+    S = row_width(size, min_width)
+    place, fill = first_fit(size, S)
     R = len(fill)
     # filled as Python lists, one tensor each at the end: slicing tensors per document costs more than the
     # documents' tokens (a step lays out a few hundred documents, each of ~10 tokens)
@@ -118,6 +111,44 @@ def packed(prompt_ids, completion_ids, pad_id: int, dtype: torch.dtype = torch.f
     return TokenRows(ids, mask, pos, torch.tensor(index, dtype=torch.long))
 
 
+def first_fit(size: list[int], S: int) -> tuple[list[int], list[int]]:
+    """Documents of `size` tokens packed first-fit decreasing into rows of width S: each document's flat
+    start (row * S + column) and each row's used width."""
+    fill: list[int] = []
+    place = [0] * len(size)
+    for i in sorted(range(len(size)), key=lambda i: -size[i]):
+        r = next((r for r, f in enumerate(fill) if f + size[i] <= S), None)
+        if r is None:
+            r = len(fill)
+            fill.append(0)
+        place[i] = r * S + fill[r]
+        fill[r] += size[i]
+    return place, fill
+
+
+def row_width(size: list[int], min_width: int = 64) -> int:
+    """The packed rows' width for documents of `size` tokens. All of them within `min_width`: one row of
+    their own length. Otherwise the width in [the longest document, min_width] whose first-fit packing
+    has the fewest positions (rows x width; the smaller width on a tie), since every position, padding
+    too, costs the same in the linear layers and a narrower row less in attention. A fixed width of
+    min_width left ~13% of the positions as padding on the lab's OPD minibatches (documents of ~23
+    tokens: two fill 46 of 64)."""
+    total, longest = sum(size), max(size)
+    if total <= min_width or longest >= min_width:
+        return max(longest, min(min_width, total))
+    # min_width first (never more positions than it), then by the lower bound on positions,
+    # ceil(total / S) * S: the search stops once no width can do better, once one is within 1% of the
+    # tokens, or once first-fit (O(documents x rows) a width) has cost ~50k steps: a minibatch of a few
+    # dozen documents tries every width, a layout of hundreds one or two
+    rows = len(first_fit(size, min_width)[1])
+    best, work = (rows * min_width, min_width), len(size) * rows  # (positions, width)
+    for S in sorted(range(longest, min_width), key=lambda S: (-(-total // S) * S, S)):
+        if -(-total // S) * S >= best[0] or best[0] * 100 <= total * 101 or work > 50_000:
+            break
+        rows = len(first_fit(size, S)[1])
+        best, work = min(best, (rows * S, S)), work + len(size) * rows
+    return best[1]
+
 
 def padded_rows(ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, cmask: torch.Tensor) -> TokenRows:
     """Right-padded (B, L) rows as `TokenRows`: completion token t of row b is predicted at b*L + plen_b-1+t."""
@@ -127,11 +158,55 @@ def padded_rows(ids: torch.Tensor, attn: torch.Tensor, plen: torch.Tensor, cmask
     return TokenRows(ids, attn, None, at[cmask.bool()])
 
 
-def hidden_at(model, rows: TokenRows) -> torch.Tensor:
+def hidden_at(model, rows: TokenRows, last_mlp_at_index: bool = False) -> torch.Tensor:
     """Final (post-norm) hidden states that predict each completion token: (N, H). Reading hidden
-    states instead of logits lets the chunked kernels apply the LM head piecewise."""
+    states instead of logits lets the chunked kernels apply the LM head piecewise.
+
+    last_mlp_at_index: the last decoder layer's MLP runs only at the positions `rows.index` reads
+    (`last_mlp_at`); the states read are the same up to float rounding, the others are not computed."""
     mask = rows.mask
     if mask.is_floating_point():  # an additive mask in the model's compute dtype (bf16 under DeepSpeed)
         mask = mask.to(model.get_input_embeddings().weight.dtype)
-    h = model.get_decoder()(input_ids=rows.ids, attention_mask=mask, position_ids=rows.pos).last_hidden_state
+    decoder = model.get_decoder()
+    with last_mlp_at(decoder, rows.index if last_mlp_at_index else None):
+        h = decoder(input_ids=rows.ids, attention_mask=mask, position_ids=rows.pos).last_hidden_state
     return h.reshape(-1, h.shape[-1]).index_select(0, rows.index)  # backward: index_add, not index_put
+
+
+@contextmanager
+def last_mlp_at(decoder, index: torch.Tensor | None):
+    """While open, the decoder's last layer runs its MLP only at the flat positions `index` (into the
+    (R, S) rows; None: everywhere) and adds 0 elsewhere. Only the final states at `index` are read,
+    and after the last layer's attention no position reads another, so the other positions' last MLP
+    (most of a layer's products: 3 x H x I of its ~4 H^2 + 3 H I multiply-adds per position) is work
+    for nothing: on the lab's OPD minibatches a quarter of the positions are prompt tokens that predict
+    nothing. The MLP is per position, so the states at `index` are unchanged up to float rounding,
+    and so are the gradients. A no-op for a decoder without `layers[-1].mlp` (transformers' name in
+    the Llama/Qwen families: `modeling_qwen3.Qwen3DecoderLayer.forward` calls `self.mlp` on
+    (R, S, H) states and adds its output to them), or under activation checkpointing."""
+    layers = getattr(decoder, "layers", None)
+    mlp = getattr(layers[-1], "mlp", None) if layers is not None and len(layers) else None
+    # activation checkpointing reruns the layer in backward, after the hooks are gone
+    if index is None or mlp is None or getattr(decoder, "gradient_checkpointing", False):
+        yield
+        return
+    at = torch.unique(index)  # a prompt's last position predicts each of its group's first tokens
+    shape = []
+
+    def before(_module, args, kwargs):
+        x = args[0]  # (R, S, H)
+        shape.append(x.shape)
+        return (x.reshape(-1, x.shape[-1]).index_select(0, at)[None], *args[1:]), kwargs
+
+    def after(_module, _args, _kwargs, out):
+        R, S, _ = shape.pop()
+        full = out.new_zeros(R * S, out.shape[-1]).index_copy(0, at, out[0])
+        return full.view(R, S, out.shape[-1])
+
+    handles = (mlp.register_forward_pre_hook(before, with_kwargs=True),
+               mlp.register_forward_hook(after, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -8,7 +8,7 @@ import functools
 import torch
 from transformers import DynamicCache
 
-from opd.rl.packing import Layout, lay_out
+from opd.rl.packing import Layout, last_mlp_at, lay_out
 from opd.rollout.base import Rollout, SamplingParams, cut_at_stop, stop_token_ids
 
 
@@ -163,8 +163,9 @@ class EmbeddedEngine:
             take[r, L - len(p):] = laid.index[at : at + len(p) - 1]
             at += len(p) - 1
         laid, take = laid.to(device), take.to(device)
-        out = self.model.get_decoder()(input_ids=laid.ids, attention_mask=laid.mask, position_ids=laid.pos,
-                                       use_cache=True)
+        decoder = self.model.get_decoder()
+        with last_mlp_at(decoder, laid.index[:0]):  # only the cache is read: the last MLP's output is not
+            out = decoder(input_ids=laid.ids, attention_mask=laid.mask, position_ids=laid.pos, use_cache=True)
         R, S = laid.ids.shape
 
         def left_padded(x):  # (R, H, S, D) -> (U, H, L-1, D)
