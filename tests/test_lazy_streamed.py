@@ -99,9 +99,10 @@ class _Live:
 
     def __init__(self, monkeypatch):
         self.now = self.peak = 0
-        get, rows = LazyStateDict.__getitem__, LazyStateDict.rows
+        get, rows, read = LazyStateDict.__getitem__, LazyStateDict.rows, LazyStateDict.read
         monkeypatch.setattr(LazyStateDict, "__getitem__", lambda sd, n: self.track(get(sd, n)))
         monkeypatch.setattr(LazyStateDict, "rows", lambda sd, n, lo, hi: self.track(rows(sd, n, lo, hi)))
+        monkeypatch.setattr(LazyStateDict, "read", lambda sd, ns: {k: self.track(t) for k, t in read(sd, ns).items()})
 
     def track(self, t: torch.Tensor) -> torch.Tensor:
         size = t.numel() * t.element_size()

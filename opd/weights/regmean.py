@@ -139,26 +139,7 @@ def regmean_merge(weights: Sequence[Tensor], grams: Sequence[Tensor | None], alp
     g_sum = sum(gs)
     mean = task_average(ws, c)
     rhs = sum(w @ g for w, g in zip(ws, gs)) - mean @ g_sum  # (out, in)
-    return (mean + rhs @ _pinv(g_sum)).to(out_dtype)
-
-
-# The last few (G, pinv(G)) solved: a layer's q, k and v projections (and its gate and up) see the
-# same inputs, so their Grams, kept per module, are equal, and so is the summed G of each; the
-# pseudo-inverse (an eigendecomposition, most of a merge's time at 768 inputs) is then taken once.
-# Keyed by exact equality of G, so the result is the very tensor torch.linalg.pinv gives for it.
-_PINV_KEEP = 2
-_pinv_memo: list[tuple[Tensor, Tensor]] = []
-
-
-def _pinv(g: Tensor) -> Tensor:
-    """`torch.linalg.pinv(g, hermitian=True)`, reused when one of the last `_PINV_KEEP` G was equal."""
-    for seen, inv in _pinv_memo:
-        if seen.shape == g.shape and seen.dtype == g.dtype and seen.device == g.device and torch.equal(seen, g):
-            return inv
-    inv = torch.linalg.pinv(g, hermitian=True)
-    _pinv_memo.insert(0, (g, inv))
-    del _pinv_memo[_PINV_KEEP:]
-    return inv
+    return (mean + rhs @ torch.linalg.pinv(g_sum, hermitian=True)).to(out_dtype)
 
 
 def grams_from_inputs(inputs: Tensor) -> Tensor:
@@ -326,7 +307,7 @@ def _regmean_streamed(inp, stats: Sequence[Mapping[str, Tensor]], alpha: float, 
         del w, g, cw, wg
     mean = w_sum / sum(c)
     rhs = wg_sum - mean @ g_sum  # (out, in)
-    return (mean + rhs @ _pinv(g_sum)).to(out_dtype)
+    return (mean + rhs @ torch.linalg.pinv(g_sum, hermitian=True)).to(out_dtype)
 
 
 def _average_rows(inp, importance: Sequence[float], budget: int) -> Tensor:
