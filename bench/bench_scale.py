@@ -1,25 +1,33 @@
 """Peak memory and seconds per merged candidate as the number of experts grows (docs/memory.md).
 
-    python bench/bench_scale.py --quick          # 0.1B, N = 4 and 10
+    python bench/bench_scale.py --quick          # 0.1B, N = 4 and 10 (2 processes at once)
     python bench/bench_scale.py                  # 0.1B and 0.5B, N = 4, 10 and 20
     python bench/bench_scale.py --tiny           # pico models, N = 2 and 3 (the test's fast path)
 
 A synthetic Qwen3 base of the size (random weights from a transformers Qwen3Config, Qwen3's vocabulary)
 and N experts = base + a random rank-4 update + 1% of the entries moved, per tensor, written as
 safetensors one tensor run at a time (mergekit's TensorWriter), so building them does not hold N
-models. `--dir` keeps them for the next run (then nothing is rebuilt). Each (method, N) merges one
-candidate in a fresh subprocess, as the search does when the candidate is over `memory_budget`: the
+models; `--jobs` processes write them (each expert from its own generator: the same bytes either
+way). `--dir` keeps them for the next run (then nothing is rebuilt). Each (method, N) merges one
+candidate in a process of its own, as the search does when the candidate is over `memory_budget`: the
 inputs read tensor by tensor from disk (opd.weights.lazy), the candidate written to disk tensor by
-tensor. The child reports its peak RSS (VmHWM of /proc/self/status) over the merge, and for RegMean,
+tensor. The process reports its peak RSS (VmHWM of /proc/self/status) over the merge, and for RegMean,
 separately, over its statistics pass (`prepare`; freed heap is returned with malloc_trim and the peak
 reset in between by writing 5 to /proc/self/clear_refs). RegMean's statistics come from opd's own
 path (opd.weights.regmean.prepare) on a small calibration batch: 8 train prompts of the lab's `add`
 capability per expert, prompt tokens only (inputs=prompt).
 
-Prints the torch thread count and load, one line per (method, N) (start_MiB: the resident set when
-the merge starts: the interpreter, torch, transformers, mergekit and opd imported), the ratios
-N_max/N_min of peak RSS and of seconds, the wall time, and last `peak_rss_over_model: X.XX`: the
-largest merge peak RSS over one model's size (float32 bytes) among the methods and N it ran.
+The processes are forked from a fork server that imported torch, mergekit and opd once (`--start
+spawn`: a fresh interpreter each, which also counts in its peak the pages its imports touched and the
+merge does not, about 90 MiB). `--jobs J` runs J of them at once, longest first (default 2 with
+`--quick`, else 1): each still has one torch thread and its own VmHWM, but its seconds are then
+measured with J processes busy, slower than alone on a machine whose cores are shared.
+
+Prints the torch thread count, load and jobs, one line per (method, N) as each finishes (start_MiB:
+the resident set when the merge starts; cpu_s: the merge's CPU seconds, which the machine's load
+changes less than its wall seconds), the ratios N_max/N_min of peak RSS and of seconds, the wall
+time, and last `peak_rss_over_model: X.XX`: the largest merge peak RSS over one model's size (float32
+bytes) among the methods and N it ran.
 """
 
 from __future__ import annotations
@@ -167,12 +175,12 @@ def measure(method: str, ns: list[int], root: Path) -> Iterator[dict]:
         _trim_heap()  # what the statistics pass freed goes back to the system before the merge is measured
         start = _reset_peak()  # the merge's own peak from here
         out = Path(tempfile.mkdtemp(prefix="cand-", dir=root))
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         merged = merge_candidate(cand, str(base), paths, base_sd, expert_sds, out_dir=out)
-        merge_s = time.perf_counter() - t
+        merge_s, merge_cpu = time.perf_counter() - t, time.process_time() - cpu
         assert len(merged) == len(base_sd)
         shutil.rmtree(out)
-        yield {"n": n, "peak": _hwm(), "start": start, "merge_s": merge_s, "prepare_s": prepare_s,
+        yield {"n": n, "peak": _hwm(), "start": start, "merge_s": merge_s, "cpu_s": merge_cpu, "prepare_s": prepare_s,
                "prepare_peak": prepare_peak}
 
 
@@ -292,10 +300,10 @@ def main() -> None:
             print(f"size {size}: {params / 1e6:.1f}M parameters, one model {model_bytes / 2**20:.0f} MiB in float32 "
                   f"(stored {str(dtype).removeprefix('torch.')}); {max(ns)} experts built in "
                   f"{time.perf_counter() - t:.0f} s; {SIZES[size]}")
-            print(f"{'method':<9} {'N':>3} {'start_MiB':>9} {'peak_MiB':>9} {'over_model':>10} {'merge_s':>8} {'s_per_expert':>12} "
+            print(f"{'method':<9} {'N':>3} {'start_MiB':>9} {'peak_MiB':>9} {'over_model':>10} {'merge_s':>8} {'cpu_s':>6} {'s_per_expert':>12} "
                   f"{'prepare_s':>9} {'prepare_peak_over_model':>23}")
             rows = {}
-            # a fresh process per (method, N), so one measurement does not leak into the next; --tiny
+            # a process of its own per (method, N), so one measurement does not leak into the next; --tiny
             # (the test's fast path) runs each method's N in one process, peak reset in between
             runs = [(m, [n]) for m in args.methods for n in ns] if not args.tiny else [(m, ns) for m in args.methods]
             if args.jobs > 1:  # longest first, so that the last ones to start are short
@@ -315,7 +323,7 @@ def main() -> None:
                         over = r["peak"] / model_bytes
                         worst = max(worst, over)
                         print(f"{method:<9} {n:>3} {r['start'] / 2**20:>9.0f} {r['peak'] / 2**20:>9.0f} {over:>10.2f} "
-                              f"{r['merge_s']:>8.1f} {r['merge_s'] / n:>12.2f} {r['prepare_s']:>9.1f} "
+                              f"{r['merge_s']:>8.1f} {r['cpu_s']:>6.1f} {r['merge_s'] / n:>12.2f} {r['prepare_s']:>9.1f} "
                               f"{r['prepare_peak'] / model_bytes:>23.2f}", flush=True)
             lo, hi = min(ns), max(ns)
             for method in args.methods:
