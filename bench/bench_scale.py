@@ -26,7 +26,8 @@ measured with J processes busy, slower than alone on a machine whose cores are s
 Prints the torch thread count, load and jobs, one line per (method, N) as each finishes (start_MiB:
 the resident set when the merge starts; cpu_s: the merge's CPU seconds, which the machine's load
 changes less than its wall seconds), the ratios N_max/N_min of peak RSS and of seconds, the wall
-time, and last `peak_rss_over_model: X.XX`: the largest merge peak RSS over one model's size (float32
+time with the CPU seconds of all merges and statistics passes (on J idle cores the rows take about
+their sum / J), and last `peak_rss_over_model: X.XX`: the largest merge peak RSS over one model's size (float32
 bytes) among the methods and N it ran.
 """
 
@@ -168,9 +169,9 @@ def measure(method: str, ns: list[int], root: Path) -> Iterator[dict]:
         base_sd = LazyStateDict(base)
         expert_sds = {e.name: LazyStateDict(e, names=list(base_sd)) for e in experts}
         _reset_peak()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         _prepare(method, paths, shared, cand.per_model, str(base))  # RegMean's statistics; others: nothing
-        prepare_s = time.perf_counter() - t
+        prepare_s, prepare_cpu = time.perf_counter() - t, time.process_time() - cpu
         prepare_peak = _hwm()
         _trim_heap()  # what the statistics pass freed goes back to the system before the merge is measured
         start = _reset_peak()  # the merge's own peak from here
@@ -180,7 +181,7 @@ def measure(method: str, ns: list[int], root: Path) -> Iterator[dict]:
         merge_s, merge_cpu = time.perf_counter() - t, time.process_time() - cpu
         assert len(merged) == len(base_sd)
         shutil.rmtree(out)
-        yield {"n": n, "peak": _hwm(), "start": start, "merge_s": merge_s, "cpu_s": merge_cpu, "prepare_s": prepare_s,
+        yield {"n": n, "peak": _hwm(), "start": start, "merge_s": merge_s, "cpu_s": merge_cpu, "prepare_s": prepare_s, "prepare_cpu": prepare_cpu,
                "prepare_peak": prepare_peak}
 
 
@@ -289,7 +290,7 @@ def main() -> None:
         print(f"jobs {args.jobs}: {args.jobs} candidates merge at once, each in its own process with "
               f"{args.threads} torch thread(s) and its own peak RSS; their seconds are with {args.jobs} of them "
               "busy (slower than alone where cores are shared)")
-    worst = 0.0
+    worst, every = 0.0, []
     try:
         for size in sizes:
             dtype = getattr(torch, args.dtype)  # storage; every merge reads float32
@@ -320,6 +321,7 @@ def main() -> None:
                     for r in results:
                         n = r["n"]
                         rows[method, n] = r
+                        every.append(r)
                         over = r["peak"] / model_bytes
                         worst = max(worst, over)
                         print(f"{method:<9} {n:>3} {r['start'] / 2**20:>9.0f} {r['peak'] / 2**20:>9.0f} {over:>10.2f} "
@@ -333,7 +335,9 @@ def main() -> None:
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"wall {time.perf_counter() - wall:.0f} s; load average {os.getloadavg()[0]:.2f}")
+    print(f"wall {time.perf_counter() - wall:.0f} s; load average {os.getloadavg()[0]:.2f}; CPU seconds of the "
+          f"merges {sum(r['cpu_s'] for r in every):.0f}, of the statistics passes "
+          f"{sum(r['prepare_cpu'] for r in every):.0f}")
     print(f"peak_rss_over_model: {worst:.2f}")
 
 
