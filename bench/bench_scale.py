@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import tempfile
@@ -122,11 +123,14 @@ def _build_expert(root: Path, size: str, i: int, dtype: torch.dtype, seed: int) 
     tmp = root / f".e{i}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     g = torch.Generator().manual_seed(seed * 1000 + i + 1)
+    names = list(base_sd)
     with TensorWriter(str(tmp), max_shard_size=64 << 20) as w:
-        for k in base_sd:
-            b = base_sd[k]
-            w.save_tensor(k, (b.float() + _delta(b, g)).to(dtype))
-            del b
+        for lo in range(0, len(names), 64):  # a file open per 64 tensors, not per tensor (its header parse)
+            group = base_sd.read(names[lo:lo + 64])
+            for k in list(group):
+                b = group.pop(k)
+                w.save_tensor(k, (b.float() + _delta(b, g)).to(dtype))
+                del b
     for f in ("config.json", "generation_config.json"):
         if (base / f).exists():
             shutil.copy(base / f, tmp / f)
@@ -278,6 +282,9 @@ def main() -> None:
     ctx = multiprocessing.get_context(args.start)
     if args.start == "forkserver":
         ctx.set_forkserver_preload(["torch", "mergekit.io.tensor_writer", "opd.weights.merge", "opd.weights.regmean"])
+        # started now, the server imports those while the experts are built (it is a fresh interpreter,
+        # not a fork of this process: what the build leaves here is not in it)
+        multiprocessing.forkserver.ensure_running()
     sizes = args.sizes or (["pico"] if args.tiny else ["0.1B"] if args.quick else ["0.1B", "0.5B"])
     ns = args.n or ([2, 3] if args.tiny else [4, 10] if args.quick else [4, 10, 20])
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="opd-bench-scale-"))
