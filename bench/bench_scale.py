@@ -247,8 +247,10 @@ def _run_child(ctx, method: str, group: list[int], root: Path, threads: int) -> 
     try:
         kind, value = recv.recv()
     except EOFError:
-        kind, value = "error", f"exit code {proc.join() or proc.exitcode}; its output:\n{log.read_text()[-3000:]}"
+        kind, value = "error", None
     proc.join()
+    if value is None:
+        value = f"exit code {proc.exitcode}; its output:\n{log.read_text()[-3000:]}"
     if kind != "rows":
         raise SystemExit(f"{method} N={group} failed:\n{value}")
     return method, group, value
