@@ -250,7 +250,7 @@ def _run_child(ctx, method: str, group: list[int], root: Path, threads: int) -> 
         kind, value = "error", None
     proc.join()
     if value is None:
-        value = f"exit code {proc.exitcode}; its output:\n{log.read_text()[-3000:]}"
+        value = f"exit code {proc.exitcode}; its output:\n{log.read_text()[-3000:] if log.exists() else '(none)'}"
     if kind != "rows":
         raise SystemExit(f"{method} N={group} failed:\n{value}")
     return method, group, value
