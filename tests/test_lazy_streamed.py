@@ -8,6 +8,7 @@ import weakref
 from collections import OrderedDict
 
 import pytest
+import safetensors
 import torch
 from mergekit.merge_methods import merge_state_dicts
 from safetensors.torch import save_file
@@ -94,14 +95,29 @@ def test_ties_cut_is_the_kth_largest_magnitude(density):
     assert int((kept != 0).sum()) == min(k, int((delta != 0).sum()))
 
 
+def test_read_gives_the_indexed_tensors_opening_each_file_once(tmp_path, monkeypatch):
+    sd = _models(tmp_path, 1)["e0"]
+    opened = []
+    original = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **kw: opened.append(a[0]) or original(*a, **kw))
+    names = list(sd)[::-1]  # any order: the mapping keeps it
+    got = sd.read(names)
+    assert list(got) == names and len(opened) == 1 and sd.reads == len(names)
+    for name in names:
+        assert torch.equal(got[name], sd[name]) and got[name].dtype == torch.float32
+    with pytest.raises(KeyError):
+        sd.read(["lm_head.weight"])
+
+
 class _Live:
     """Bytes of tensors read from the lazy inputs that are still alive, and the most at once."""
 
     def __init__(self, monkeypatch):
         self.now = self.peak = 0
-        get, rows = LazyStateDict.__getitem__, LazyStateDict.rows
+        get, rows, read = LazyStateDict.__getitem__, LazyStateDict.rows, LazyStateDict.read
         monkeypatch.setattr(LazyStateDict, "__getitem__", lambda sd, n: self.track(get(sd, n)))
         monkeypatch.setattr(LazyStateDict, "rows", lambda sd, n, lo, hi: self.track(rows(sd, n, lo, hi)))
+        monkeypatch.setattr(LazyStateDict, "read", lambda sd, ns: {k: self.track(t) for k, t in read(sd, ns).items()})
 
     def track(self, t: torch.Tensor) -> torch.Tensor:
         size = t.numel() * t.element_size()

@@ -194,7 +194,8 @@ def test_memory_budget_takes_sizes_and_refuses_nonsense():
 
 
 def test_bench_scale_fast_path_prints_the_final_line(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_scale.py"), "--tiny", "--dir", str(tmp_path)],
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_scale.py"), "--tiny", "--jobs", "2",
+                          "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

@@ -58,6 +58,25 @@ class LazyStateDict(Mapping):
             t = f.get_tensor(name)
         return t if self.dtype is None or not t.is_floating_point() else t.to(self.dtype)
 
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Tensors `names` (in that order), each file opened once for all of them: opening a shard
+        parses its header, most of the time a small tensor's read takes alone (0.8 ms against 0.1 ms a
+        tensor on a 64 MiB shard of 233 tensors). The handle is dropped once they are read."""
+
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            if name not in self._set:
+                raise KeyError(name)
+            by_file.setdefault(self._files[name], []).append(name)
+        out = {}
+        for file, group in by_file.items():
+            with safetensors.safe_open(file, framework="pt", device="cpu") as f:
+                for name in group:
+                    self.reads += 1
+                    t = f.get_tensor(name)
+                    out[name] = t if self.dtype is None or not t.is_floating_point() else t.to(self.dtype)
+        return {name: out[name] for name in names}
+
     def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
         return name in self._set
 
@@ -111,6 +130,11 @@ class LazyStateDict(Mapping):
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
+
+
+def read_tensors(sd: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """`{name: sd[name]}` for `names`; a lazy state dict opens each of its files once for them."""
+    return sd.read(names) if isinstance(sd, LazyStateDict) else {name: sd[name] for name in names}
 
 
 def state_dict_bytes(sd: Mapping[str, torch.Tensor]) -> int:

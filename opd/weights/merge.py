@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opd.errors import OpdError
 from opd.weights import adamerging, regmean, subspace, wudi
 from opd.weights.layers import LayerLayout, LayerValues, layout_for, resolve, setting
-from opd.weights.lazy import TEMPORARIES, LazyStateDict, merge_streamed
+from opd.weights.lazy import TEMPORARIES, LazyStateDict, merge_streamed, read_tensors
 from opd.weights.sort_cache import CACHE as SORT_CACHE
 from opd.weights.sort_cache import SortedMagnitudes, cached_magnitude
 from opd.weights.state import merge_keys as merge_keys  # re-exported: its callers import it here
@@ -234,7 +234,7 @@ def merge_in_memory(cand: Candidate, base_sd: Mapping[str, torch.Tensor],
                 t = merge_streamed(models, ids, name, m.name, p, base, chunk_bytes)
                 merged = None if t is None else {name: t}
             if merged is None:
-                chunk = {i: {names[j]: models[i][names[j]] for j in run} for i in ids}
+                chunk = {i: read_tensors(models[i], [names[j] for j in run]) for i in ids}
                 merged = merge_state_dicts(chunk, m.name, parameters=p, base=base)
                 del chunk
             for k, t in merged.items():
