@@ -22,8 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mergekit.architecture import arch_info_for_config
-from mergekit.config import ConditionalParameter, evaluate_setting
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd.errors import OpdError
@@ -61,6 +59,9 @@ class LayerLayout(BaseModel):
 @functools.lru_cache(maxsize=8)
 def layout_for(model_dir: str) -> LayerLayout:
     """The layer layout of the model in `model_dir` (its config.json), as mergekit plans it."""
+    # mergekit.architecture and mergekit.config import peft: ~160 MiB resident in every process that merges
+    # lazy: peft, ~160 MiB resident (bench/bench_scale.py's start RSS); only a layer-wise setting needs it
+    from mergekit.architecture import arch_info_for_config
     from transformers import (
         AutoConfig,  # lazy: transformers' Auto classes add ~0.45 s; only a layer-wise setting reads the config
     )
@@ -101,5 +102,10 @@ def resolve(value: Any, name: str, layout: LayerLayout | None, validate: Callabl
         raise ValueError("a layer-wise value needs the model's LayerLayout")
     if name not in layout.layer and name not in layout.pre and name not in layout.post:
         raise OpdError(f"layer-wise parameters: tensor {name!r} is not in mergekit's architecture definition")
+    from mergekit.config import (
+        ConditionalParameter,  # lazy: imports peft, see layout_for; only layer-wise values reach here
+        evaluate_setting,
+    )
+
     cond = [ConditionalParameter.model_validate(c) for c in setting(value, layout)]
     return evaluate_setting(name, cond, layout.t(name), validate=validate)
