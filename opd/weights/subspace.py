@@ -62,7 +62,7 @@ def tsv_m(deltas: Sequence[Tensor], alpha: float = 1.0, rank_fraction: float | N
     tol = _tolerance(ds)
     us, ss, vhs = [], [], []
     for d in ds:
-        u, s, vh = torch.linalg.svd(d, full_matrices=False)  # (m, r), (r,), (r, n)
+        u, s, vh = _svd(d, full_matrices=False)  # (m, r), (r,), (r, n)
         keep = s[:k] > tol
         us.append(u[:, :k][:, keep])
         ss.append(s[:k][keep])
@@ -89,7 +89,7 @@ def iso_c(deltas: Sequence[Tensor], alpha: float = 1.0) -> Tensor:
     ds, out_dtype = _promote(deltas)
     if ds[0].ndim != 2:
         return task_mean(ds, alpha).to(out_dtype)
-    u, s, vh = torch.linalg.svd(sum(ds), full_matrices=False)  # (m, r), (r,), (r, n)
+    u, s, vh = _svd(sum(ds), full_matrices=False)  # (m, r), (r,), (r, n)
     keep = s > _tolerance(ds)
     if not keep.any():
         return torch.zeros_like(ds[0]).to(out_dtype)
@@ -128,12 +128,12 @@ def iso_cts(deltas: Sequence[Tensor], alpha: float = 1.0, common_space_fraction:
         return task_mean(ds, alpha).to(out_dtype)
     k, s_task = iso_cts_dims(min(ds[0].shape), len(ds), common_space_fraction)
     tol = _tolerance(ds)
-    u, s, vh = torch.linalg.svd(sum(ds), full_matrices=False)  # (m, r), (r,), (r, n)
+    u, s, vh = _svd(sum(ds), full_matrices=False)  # (m, r), (r,), (r, n)
     keep = s[:k] > tol
     u_c = u[:, :k][:, keep]  # (m, k') common column space
     us, ss, vhs = [u_c], [s[:k][keep]], [vh[:k][keep]]
     for d in ds:
-        ut, st, vht = torch.linalg.svd(d - u_c @ (u_c.T @ d), full_matrices=False)
+        ut, st, vht = _svd(d - u_c @ (u_c.T @ d), full_matrices=False)
         keep = st[:s_task] > tol
         us.append(ut[:, :s_task][:, keep])
         ss.append(st[:s_task][keep])
@@ -164,9 +164,21 @@ def _tolerance(ds: list[Tensor]) -> float:
     return max(ds[0].shape) * torch.finfo(ds[0].dtype).eps * scale
 
 
+def _svd(x: Tensor, full_matrices: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """torch.linalg.svd, retried in float64 when LAPACK's gesdd fails to converge. It does on
+    ill-conditioned inputs with many repeated singular values: Iso-CTS's stacked bases of bf16-stored
+    experts at 0.5B did (bench/bench_scale.py). The factors come back in x's dtype."""
+    try:
+        return torch.linalg.svd(x, full_matrices=full_matrices)
+    except torch.linalg.LinAlgError:
+        if x.dtype == torch.float64:
+            raise
+        return tuple(t.to(x.dtype) for t in torch.linalg.svd(x.double(), full_matrices=full_matrices))
+
+
 def _orthogonalise(x: Tensor) -> Tensor:
     """The polar factor of x over its column space: P_ρ Q_ρᵀ from x = P S Qᵀ, ρ = numerical rank."""
-    p, s, qh = torch.linalg.svd(x, full_matrices=False)
+    p, s, qh = _svd(x, full_matrices=False)
     rank = int((s > max(x.shape) * torch.finfo(x.dtype).eps * s.max()).sum()) if len(s) else 0
     return p[:, :rank] @ qh[:rank]
 
@@ -291,7 +303,7 @@ def tsv_m_streamed(delta: Callable[[int], Tensor], n_tasks: int, alpha: float = 
         d = _work(delta(t), shape)
         norms.append(torch.linalg.matrix_norm(d).item())
         total = d if total is None else total + d
-        u, s, vh = torch.linalg.svd(d, full_matrices=False)  # (m, r), (r,), (r, n)
+        u, s, vh = _svd(d, full_matrices=False)  # (m, r), (r,), (r, n)
         factors.append((u[:, :k].clone(), s[:k].clone(), vh[:k].clone()))  # copies: the full factors go
         del d, u, s, vh
     tol = max(shape) * torch.finfo(total.dtype).eps * max(norms + [torch.linalg.matrix_norm(total).item()])
@@ -324,7 +336,7 @@ def iso_cts_streamed(delta: Callable[[int], Tensor], n_tasks: int, alpha: float 
         return task_mean([delta(t) for t in range(n_tasks)], alpha)
     del first
     total, tol, out_dtype = _norms_and_sum(delta, n_tasks)
-    u, s, vh = torch.linalg.svd(total, full_matrices=False)  # (m, r), (r,), (r, n)
+    u, s, vh = _svd(total, full_matrices=False)  # (m, r), (r,), (r, n)
     del total
     if iso_c_rule:
         keep = s > tol
@@ -339,7 +351,7 @@ def iso_cts_streamed(delta: Callable[[int], Tensor], n_tasks: int, alpha: float 
     del u, s, vh
     for t in range(n_tasks):
         d = _work(delta(t), shape)
-        ut, st, vht = torch.linalg.svd(d - u_c @ (u_c.T @ d), full_matrices=False)
+        ut, st, vht = _svd(d - u_c @ (u_c.T @ d), full_matrices=False)
         keep = st[:s_task] > tol
         us.append(ut[:, :s_task][:, keep].clone())
         ss.append(st[:s_task][keep].clone())
