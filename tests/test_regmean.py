@@ -452,3 +452,25 @@ def test_settings_are_checked(lab3):
     with pytest.raises(OpdError, match="one weight per expert"):
         prepare(paths, {"propagate": "merged", "prompts": 4},
                 {"add": {"weight": LayerValues(embed=1.0, blocks=(1.0,), head=1.0)}})
+
+
+def test_spill_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
+    """A RegMean process killed by a signal leaves its spill directory (atexit does not run); the next
+    one that spills removes it, and leaves a live process's alone."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from opd.weights.regmean import sweep_dead_spills
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"opd-regmean-{dead.pid}-abc_123"
+    mine = tmp_path / f"opd-regmean-{os.getpid()}-xyz"
+    other = tmp_path / "opd-regmean-notapid"
+    for d in (gone, mine, other):
+        (d / "stats-0").mkdir(parents=True)
+    sweep_dead_spills()
+    assert not gone.exists() and mine.exists() and other.exists()

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import os
 import random
 import shutil
 import tempfile
@@ -75,6 +76,7 @@ from pydantic import Field
 
 from opd.capabilities import get_capability
 from opd.errors import OpdError
+from opd.io import pid_alive
 from opd.model_inputs import expert_record
 from opd.rollout.base import SamplingParams
 from opd.rollout.embedded import EmbeddedEngine
@@ -580,6 +582,16 @@ def _input_key(input_id: Hashable) -> str:
     return str(Path(model.path).resolve()) if model is not None else str(input_id)
 
 
+def sweep_dead_spills() -> None:
+    """Remove the spill directories of RegMean processes that died by a signal, where atexit does not
+    run (SIGTERM, SIGKILL): each holds ~N x the model's float32 statistics, and they had filled a disk.
+    A directory is opd-regmean-<pid>-<random>; one whose process is gone is removed."""
+    for p in Path(tempfile.gettempdir()).glob("opd-regmean-*-*"):
+        parts = p.name.split("-")
+        if len(parts) == 4 and parts[2].isdigit() and not pid_alive(int(parts[2])):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 class StatsStore:
     """The statistics a process has computed, and which merge inputs they are bound to.
 
@@ -627,11 +639,9 @@ class StatsStore:
     def _spill(self, stats: dict[str, Tensor]) -> Mapping[str, Tensor]:
         """The statistics written to a safetensors file of the store's spill directory, and a lazy
         mapping over it: read a tensor at a time, so the store does not hold N experts' Grams in memory."""
-
-
-
         if self.spill_dir is None:
-            self.spill_dir = Path(tempfile.mkdtemp(prefix="opd-regmean-"))
+            sweep_dead_spills()
+            self.spill_dir = Path(tempfile.mkdtemp(prefix=f"opd-regmean-{os.getpid()}-"))
             atexit.register(shutil.rmtree, self.spill_dir, True)
         d = self.spill_dir / f"stats-{len(list(self.spill_dir.iterdir()))}"
         # a tied head's Gram is the head's own tensor under a second name, and safetensors refuses shared
