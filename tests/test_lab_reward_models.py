@@ -10,6 +10,8 @@ import torch
 
 from opd.errors import OpdError
 from opd.expert.spec import load_expert_spec
+from opd.lab.model import build_model
+from opd.lab.pico import PICO
 from opd.lab.pipeline import run_lab
 from opd.lab.reward_models import ensure_reward_models
 
@@ -37,14 +39,13 @@ def test_reward_models_are_fitted_once_then_reused_and_refitted_when_settings_ch
     assert any("settings differ" in m for m in logs)
 
 
-def test_a_reward_model_from_the_base_is_refitted_when_the_base_weights_change(tmp_path, pico_dir):
+def test_a_reward_model_from_the_base_is_refitted_when_the_base_weights_change(tmp_path, pico_dir, tokenizer):
     torch.set_num_threads(1)
     spec = _spec(tmp_path, pico_dir, "mirror")
     settings = {**FAST, "init": "base"}
-    (pico_dir / "manifest.json").write_text(json.dumps({"content_hash": "aaaa"}))
     assert set(ensure_reward_models([spec], pico_dir, {"mirror": settings}, log=lambda m: None)) == {"mirror"}
     assert ensure_reward_models([spec], pico_dir, {"mirror": settings}, log=lambda m: None) == {}
-    (pico_dir / "manifest.json").write_text(json.dumps({"content_hash": "bbbb"}))  # another base seed
+    build_model(PICO, tokenizer, seed=1).save_pretrained(pico_dir)  # another base seed: other weights
     logs = []
     assert set(ensure_reward_models([spec], pico_dir, {"mirror": settings}, log=logs.append)) == {"mirror"}
     assert any("other base weights" in m for m in logs)

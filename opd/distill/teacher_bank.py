@@ -154,10 +154,10 @@ class TeacherBank:
         real = cmask.bool()
         tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)
         tok_index[real] = torch.arange(int(real.sum()), device=real.device)
-        laid = {k: weights[k].nonzero().squeeze(1) for k in range(K)}
-        laid = {k: rows for k, rows in laid.items() if len(rows)}
+        served = {k: weights[k].nonzero().squeeze(1) for k in range(K)}
+        served = {k: rows for k, rows in served.items() if len(rows)}  # each teacher's rows
         hidden = {}
-        for k, rows in laid.items():  # forwards per teacher on its own packed rows (no cross-teacher padding)
+        for k, rows in served.items():  # forwards per teacher on its own packed rows (no cross-teacher padding)
             parts = []
             for part in chunk_rows(rows.tolist(), prompts, completions, CHUNK_TOKENS):
                 t = lay_out([prompts[b] for b in part], [completions[b] for b in part], pad_id, "packed",
@@ -169,7 +169,7 @@ class TeacherBank:
             hidden[k] = torch.cat(parts)  # (n_k, H): rows in order, tokens in order
         mixed = torch.zeros(int(real.sum()), self.heads.shape[1], device=weights.device)
         teacher_lp = torch.zeros(K, B, cmask.shape[1], device=weights.device)
-        for k, rows in laid.items():
+        for k, rows in served.items():
             hk = hidden[k]
             lp = torch.log_softmax(hk.float() @ self.heads[k].float().T, -1)  # (n_k, V)
             sel = real[rows]  # (b, T)

@@ -182,13 +182,13 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         overrides = {"base": recipe.base, **{k: str(v) for k, v in train.overrides.items()}}
         if seed is not None:
             overrides["seed"] = str(seed)
-        loaded = [load_expert_spec(spec, **overrides) for spec, _ in specs.values()]
-        if any(s.reward_model_dir for s in loaded):  # learned-reward experts train on a reward model: fit it first
+        loaded = {n: load_expert_spec(spec, **overrides) for n, (spec, _) in specs.items()}
+        if any(s.reward_model_dir for s in loaded.values()):  # learned-reward experts train on a reward model: fit it first
             from opd.lab.reward_models import ensure_reward_models  # lazy: loads transformers' model classes
 
-            t, before = time.time(), {}
-            fitted = ensure_reward_models(loaded, recipe.base, dict(train.reward_models), log=console.print)
-            record("reward_models", t, before, {"fitted": sorted(fitted)} if fitted else before)
+            t = time.time()
+            fitted = ensure_reward_models(loaded.values(), recipe.base, dict(train.reward_models), log=console.print)
+            record("reward_models", t, {}, {"fitted": sorted(fitted)} if fitted else {})
         t, before = time.time(), manifest_stamps(outs)
         jobs = jobs or train.jobs
         cluster = train.cluster
@@ -196,14 +196,14 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
             cluster = cluster.model_copy(update={"engine": "ray", "address": ray})
         if cluster.engine == "ray":  # one task per expert, with the resources its spec asks for
             run_on_cluster(cluster, {n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
-                           {n: load_expert_spec(spec, **overrides).task_resources for n, (spec, _) in specs.items()},
+                           {n: loaded[n].task_resources for n in specs},
                            Path("runs") / "lab" / "logs", outs)
         elif jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged)
             run_parallel({n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
                          jobs, Path("runs") / "lab" / "logs")
         else:
-            for spec, out in specs.values():  # a no-op when spec and base are unchanged
-                run_expert(load_expert_spec(spec, **overrides), out=out)
+            for n, (_, out) in specs.items():  # a no-op when spec and base are unchanged
+                run_expert(loaded[n], out=out)
         record("experts", t, before, manifest_stamps(outs))
     if "merge" in stages:
         from opd.merge import run_recipe  # lazy: opd.merge loads transformers and torch

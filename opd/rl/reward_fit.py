@@ -7,7 +7,6 @@ this is the training loop `python scripts/train_reward_model.py` runs.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import random
 import time
 from pathlib import Path
@@ -27,15 +26,13 @@ from opd.capabilities.reward_model import (
 from opd.errors import OpdError
 from opd.io import state_dict_hash, tokenizer_hash
 from opd.manifest import code_version
+from opd.model_inputs import read_header, weights_hash
 from opd.rl.preference_loss import bradley_terry_loss
 
 
-def base_hash(base_dir: Path) -> str | None:
-    """The base's content hash from its manifest; None for a base without one."""
-    try:
-        return json.loads((Path(base_dir) / "manifest.json").read_text()).get("content_hash")
-    except (OSError, ValueError):
-        return None
+def base_hash(base_dir: Path) -> str:
+    """The content hash of the base's weights (cached; the value its opd manifest records, if it has one)."""
+    return weights_hash(read_header(base_dir, "the base"))
 
 
 def train_reward_model(settings: RewardModelSettings, tokenizer, out: Path, log=print, base_dir: Path | None = None
