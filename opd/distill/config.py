@@ -86,6 +86,12 @@ class DistillConfig(BaseModel):
     adaptive_mix: float = Field(0.0, ge=0, description="after each retention check, scale capability c's prompt "
                                 "share by 1 + adaptive_mix * (1 - retention_c), so the student sees more of what it "
                                 "is losing (0: the mix stays fixed; needs eval_every > 0 and teacher references)")
+    domain_balance: Literal["none", "dn", "d3"] = Field(
+        "none", description="balancing the capabilities (domains) of a multi-teacher run: 'dn' (DN-MOPD) scales each "
+        "capability's per-token loss in a minibatch by clip(sigma_all / sigma_c, 0.25, 4), the standard deviations "
+        "of the per-token loss terms over all tokens and over the capability's; 'd3' (D3-MOPD) draws each step's "
+        "prompts with share_c proportional to mix_c * clip(KL_c / mean KL, 0.25, 4), KL_c the capability's mean "
+        "reverse KL to its teachers in the previous step; 'none': neither")
     capability_weights: dict[str, PositiveFloat] | None = Field(
         None, description="capability -> weight of its prompts' per-token loss (default: 1 each); divided by the "
         "mean over each batch's prompts, so only the ratios matter")

@@ -69,7 +69,8 @@ class StudentHidden(torch.nn.Module):
 def estimator_of(cfg: DistillConfig) -> Estimator:
     """The config's reverse-KL estimator (opd.rl.estimators), configured by its settings."""
     return get_estimator(cfg.estimator, EstimatorSettings(cfg.kl_weight, cfg.reward_weight, cfg.eps_low,
-                                                          cfg.eps_high, cfg.kernel_chunk, cfg.topk))
+                                                          cfg.eps_high, cfg.kernel_chunk, cfg.topk,
+                                                          domain_norm=cfg.domain_balance == "dn"))
 
 
 def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[str, Teacher], backward=None,
@@ -88,6 +89,8 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
     # only a reward term reads rewards (under verifier: none the batch has none and reward_weight is 0)
     reward_adv = group_advantages(batch.rewards).reshape(-1) if cfg.reward_weight > 0 else None  # (B,)
     row_w = row_capability_weights(batch.row_caps, cfg.capability_weights).to(cmask.device)  # (B,)
+    cap_ids = {c: i for i, c in enumerate(sorted(set(batch.row_caps)))}
+    row_dom = torch.tensor([cap_ids[c] for c in batch.row_caps], device=cmask.device)  # (B,) for domain_norm
     stats: dict[str, list[float]] = {}
     # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
     for rows in minibatches(batch, cfg.updates_per_batch, generator):
@@ -97,7 +100,7 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         W = lm_head_weight(policy.lm)  # (V, H)
         new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
         mb = Minibatch(rows, m, h, W, new_lp, None if batch.old_lp is None else batch.old_lp[rows], tok_index[rows][r],
-                       row_w[rows], None if reward_adv is None else reward_adv[rows])
+                       row_w[rows], None if reward_adv is None else reward_adv[rows], row_dom[rows])
         loss, st = est.loss(mb, outputs)
         gn = optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
@@ -114,7 +117,8 @@ RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "re
 UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_every")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
-DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability"}
+DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability",
+                          "domain_balance": "none"}
 
 
 def run_identity(cfg: DistillConfig) -> dict:
@@ -152,6 +156,33 @@ def adapted_mix(mix: dict[str, float], history: list[dict], strength: float) -> 
     raw = {c: w * (1 + strength * max(0.0, 1 - last.get(f"retention/{c}", 1.0))) for c, w in mix.items()}
     total = sum(raw.values())
     return {c: v / total for c, v in raw.items()}
+
+
+def kl_scheduled_mix(mix: dict[str, float], history: list[dict], routes: Routes
+                     ) -> dict[str, float]:
+    """D3-MOPD's prompt mix: share_c ∝ mix_c * clip(KL_c / mean_c KL_c, 0.25, 4), KL_c the teacher-weighted
+    mean of the latest step's kl/<teacher> over c's teachers (`routes`: capability -> {teacher: weight}).
+    `mix` itself before the first step. Derived from the history, so a resumed run draws the same prompts."""
+    last = next((r for r in reversed(history) if any(k.startswith("kl/") for k in r)), None)
+    if last is None:
+        return mix
+    kl = {}
+    for c in mix:
+        got = [(w, last[f"kl/{t}"]) for t, w in routes.get(c, {}).items() if f"kl/{t}" in last]
+        if got:
+            kl[c] = sum(w * v for w, v in got) / sum(w for w, _ in got)
+    mean = sum(kl.values()) / len(kl) if kl else 0.0
+    if mean <= 0:
+        return mix
+    raw = {c: w * min(4.0, max(0.25, kl.get(c, mean) / mean)) for c, w in mix.items()}
+    total = sum(raw.values())
+    return {c: v / total for c, v in raw.items()}
+
+
+def step_mix(cfg: DistillConfig, mix: dict[str, float], history: list[dict], routes: Routes) -> dict[str, float]:
+    """The prompt mix of the next step: fixed, adapted to the last retention check, or scheduled by KL."""
+    mix = adapted_mix(mix, history, cfg.adaptive_mix)
+    return kl_scheduled_mix(mix, history, routes) if cfg.domain_balance == "d3" else mix
 
 
 def _shared(value, world: int):
@@ -310,7 +341,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
         _warm_start(run, teachers, routes, mix, tokenizer.pad_token_id)
     with sampler:
         while state.step < cfg.steps:
-            drawn = sampler.next(state.step, adapted_mix(mix, state.history, cfg.adaptive_mix), rng)
+            drawn = sampler.next(state.step, step_mix(cfg, mix, state.history, routes), rng)
             t_update = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = step_lr(cfg, state.step)

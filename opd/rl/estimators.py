@@ -48,6 +48,7 @@ class EstimatorSettings:
     eps_high: float = 0.28  # GSPO clip above 1
     chunk: int = 1024  # tokens per chunk in the full-vocabulary kernels
     topk: int | None = None  # K of the top-k estimator
+    domain_norm: bool = False  # DN-MOPD: scale each domain's per-token loss by clip(sigma_all / sigma_d, 0.25, 4)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Minibatch:
     tok: torch.Tensor  # (n,) each real token's index among the batch's N real tokens
     row_weights: torch.Tensor  # (b,) each row's capability weight (mean 1 over the batch)
     reward_adv: torch.Tensor | None  # (b,) group-normalised verifier rewards (None without a reward term)
+    row_domains: torch.Tensor | None = None  # (b,) each row's capability as an integer id (for domain_norm)
 
     @property
     def row_of_tok(self) -> torch.Tensor:
@@ -104,11 +106,21 @@ class Estimator:
         """Statistics over the whole batch, logged beside the minibatches' means (none by default)."""
         return {}
 
+    def _row_weights(self, per_token: torch.Tensor, mb: Minibatch) -> torch.Tensor:
+        """The rows' loss weights (b,): the capability weights, times DN-MOPD's domain weights of the
+        per-token loss terms `per_token` (n,) when `domain_norm` is set."""
+        if not self.s.domain_norm or mb.row_domains is None:
+            return mb.row_weights
+        local = torch.arange(mb.mask.shape[0], device=mb.mask.device)[:, None].expand_as(mb.mask)[mb.mask.bool()]
+        w = mb.row_weights * domain_norm_weights(per_token.detach(), mb.row_domains[local], mb.row_domains)
+        return w / w.mean()
+
     def _with_reward(self, kl: torch.Tensor, mb: Minibatch) -> torch.Tensor:
         """The per-token KL (n,) as the sequence-mean loss, capability-weighted, plus the reward's GSPO term."""
-        loss = self.s.kl_weight * sequence_mean_loss(scatter_tokens(kl, mb.mask) * mb.row_weights[:, None], mb.mask)
+        row_w = self._row_weights(kl, mb)
+        loss = self.s.kl_weight * sequence_mean_loss(scatter_tokens(kl, mb.mask) * row_w[:, None], mb.mask)
         if self.s.reward_weight > 0:
-            pg, _ = gspo_loss(mb.new_lp, mb.old_lp, mb.reward_adv * mb.row_weights, mb.mask, self.s.eps_low,
+            pg, _ = gspo_loss(mb.new_lp, mb.old_lp, mb.reward_adv * row_w, mb.mask, self.s.eps_low,
                               self.s.eps_high)
             loss = loss + self.s.reward_weight * pg
         return loss
@@ -126,7 +138,8 @@ class SampledKL(Estimator):
         adv = self.s.kl_weight * sampled_advantages(mb.old_lp, lp_t, mb.mask)  # (b, T)
         if self.s.reward_weight > 0:
             adv = reward_mixed_advantages(adv, mb.reward_adv, self.s.reward_weight, mb.mask)
-        adv = adv * mb.row_weights[:, None]  # weights > 0 pass through GSPO's min and clip: the per-token loss x w
+        row_w = self._row_weights(adv[mb.mask.bool()], mb)
+        adv = adv * row_w[:, None]  # weights > 0 pass through GSPO's min and clip: the per-token loss x w
         loss, st = gspo_loss(mb.new_lp, mb.old_lp, adv, mb.mask, self.s.eps_low, self.s.eps_high, level="token")
         st.pop("kl")  # GSPO's reference-KL penalty is off here; the teacher KLs are logged as kl/<name>
         return loss, st
@@ -209,6 +222,21 @@ class TopKKL(Estimator):
             parts.append(kl - log_z)
         kl = torch.cat(parts)  # (n,)
         return kl, teacher_means(kl, teachers, row_of_tok)
+
+
+def domain_norm_weights(values: torch.Tensor, tok_domain: torch.Tensor, row_domain: torch.Tensor) -> torch.Tensor:
+    """DN-MOPD's per-domain loss weights: (n,) per-token loss terms, (n,) and (b,) their and the rows'
+    domain ids -> (b,) each row's clip(sigma_all / sigma_d, 0.25, 4), with sigma_d the standard deviation
+    of its domain's terms in this minibatch (weight 1 where a domain has fewer than 2 tokens or sigma_d is 0),
+    divided by the mean over the rows so that only the ratios between domains change."""
+    sigma_all = values.std() if values.numel() > 1 else values.new_tensor(0.0)
+    w_dom = {}
+    for d in row_domain.unique().tolist():
+        v = values[tok_domain == d]
+        sd = v.std() if v.numel() > 1 else v.new_tensor(0.0)
+        w_dom[d] = float((sigma_all / sd).clamp(0.25, 4.0)) if float(sd) > 0 and float(sigma_all) > 0 else 1.0
+    w = torch.tensor([w_dom[d] for d in row_domain.tolist()], dtype=torch.float32, device=row_domain.device)
+    return w / w.mean()
 
 
 def teacher_means(kl: torch.Tensor, teachers: TeacherOutputs, row_of_tok: torch.Tensor) -> dict[str, float]:
