@@ -119,3 +119,22 @@ def test_two_capability_run_with_domain_balance(trained_pico_dir, tokenizer, bal
         last = state.history[-2]
         hi, lo = sorted(teachers, key=lambda t: last[f"kl/{t}"], reverse=True)
         assert drawn[-1][hi] > drawn[-1][lo]
+
+
+def test_an_opd_strategy_sets_domain_balance(tmp_path):
+    from test_merge_fakes import write_recipe
+
+    from opd.errors import OpdError
+    from opd.merge import load_recipe
+    from opd.merge.strategies.distill import opd_settings
+    from opd.weights.merge import Candidate
+
+    lab = {"base": "b", "experts": {"add": "add"}}
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out",
+                                      strategies={"opd": {"domain_balance": {"choices": ["none", "d3"]}}}))
+    assert recipe.strategies["opd"]["domain_balance"].choices == ["none", "d3"]
+    cfg, _ = opd_settings(DistillConfig(), Candidate(strategy="opd", shared={"domain_balance": "d3"}))
+    assert cfg.domain_balance == "d3"
+    with pytest.raises(OpdError, match="domain_balance"):
+        load_recipe(write_recipe(tmp_path / "r.yaml", lab, tmp_path / "out",
+                                 strategies={"opd": {"domain_balance": "equal"}}))

@@ -134,7 +134,7 @@ def student_dir(out_dir: Path, run: int) -> Path:
 OPD_SHARED = {"steps": 50, "lr": 3e-4, "estimator": "sampled", "reward_weight": 0.0, "temperature": 1.0,
               "prompts_per_step": 16, "group_size": 4, "updates_per_batch": 1, "lr_schedule": "constant",
               "adaptive_mix": 0.0, "kl_weight": 1.0, "warmstart_steps": 0, "warmstart_prompts": 256,
-              "warmstart_lr": 1e-3}
+              "warmstart_lr": 1e-3, "domain_balance": "none"}
 OPD_PER_MODEL = {"teacher_weight": 1.0}
 HYBRID_SUFFIX = "+opd"
 HYBRIDS_ARE = f"'<method>{HYBRID_SUFFIX}' hybrids of a mergekit method with OPD"
