@@ -23,7 +23,8 @@ def test_lab_base_spec_loads():
 
 def test_every_yaml_is_covered():
     """A new YAML folder needs a loader test: this lists the ones that have one."""
-    covered = {"merge_recipes", "merge_recipes/distill", "merge_recipes/distill/lab10_ablations", "experts", "evals", "evals/byo",
+    covered = {"merge_recipes", "merge_recipes/distill", "merge_recipes/distill/lab10_ablations",
+               "merge_recipes/distill/lab12_ablations", "experts", "evals", "evals/byo",
                "opd/lab"}
     folders = {str(p.parent.relative_to(ROOT)) for p in ROOT.rglob("*.yaml")
                if not any(part.startswith(".") or part in ("runs", "build") for part in p.relative_to(ROOT).parts)}
