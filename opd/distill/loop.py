@@ -158,8 +158,7 @@ def adapted_mix(mix: dict[str, float], history: list[dict], strength: float) -> 
     return {c: v / total for c, v in raw.items()}
 
 
-def kl_scheduled_mix(mix: dict[str, float], history: list[dict], routes: Routes
-                     ) -> dict[str, float]:
+def kl_scheduled_mix(mix: dict[str, float], history: list[dict], routes: Routes) -> dict[str, float]:
     """D3-MOPD's prompt mix: share_c ∝ mix_c * clip(KL_c / mean_c KL_c, 0.25, 4), KL_c the teacher-weighted
     mean of the latest step's kl/<teacher> over c's teachers (`routes`: capability -> {teacher: weight}).
     `mix` itself before the first step. Derived from the history, so a resumed run draws the same prompts."""
