@@ -17,6 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
+from scipy.stats import spearmanr  # scipy comes with mergekit
+
+from opd.distill.routing import capability_kl as routed_kl
 from opd.errors import OpdError, cli_main
 
 
@@ -31,37 +34,18 @@ def _load(run: Path) -> tuple[list[dict], dict[str, dict[str, float]]]:
 
 def capability_kl(rec: dict, cap: str, routes: dict[str, dict[str, float]]) -> float | None:
     """The capability's teacher-weighted KL in one step's record (teacher = capability without routes)."""
-    got = [(w, rec[f"kl/{t}"]) for t, w in (routes.get(cap) or {cap: 1.0}).items() if f"kl/{t}" in rec]
-    return sum(w * v for w, v in got) / sum(w for w, _ in got) if got else None
+    return routed_kl(rec, routes.get(cap) or {cap: 1.0})
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _ranks(xs: list[float]) -> list[float]:
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    r = [0.0] * len(xs)
-    i = 0
-    while i < len(order):  # average ranks over ties
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2
-        i = j + 1
-    return r
-
-
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (nan where either side is constant or has < 3 points)."""
-    if len(xs) < 3:
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
         return float("nan")
-    rx, ry = _ranks(xs), _ranks(ys)
-    mx, my = _mean(rx), _mean(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sx, sy = sum((a - mx) ** 2 for a in rx) ** 0.5, sum((b - my) ** 2 for b in ry) ** 0.5
-    return sxy / (sx * sy) if sx and sy else float("nan")
+    return float(spearmanr(xs, ys).statistic)
 
 
 def trajectories(history: list[dict], routes: dict, window: int) -> dict[str, list[tuple[int, float, float]]]:

@@ -22,7 +22,7 @@ from opd_kernels import selective_log_softmax
 from opd.distill.batch import OpdBatch, minibatches, teacher_outputs
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
-from opd.distill.routing import Routes, prompt_mix, require_routed
+from opd.distill.routing import Routes, capability_kl, prompt_mix, require_routed
 from opd.distill.sampler import Sampler
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.errors import OpdError
@@ -89,8 +89,10 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
     # only a reward term reads rewards (under verifier: none the batch has none and reward_weight is 0)
     reward_adv = group_advantages(batch.rewards).reshape(-1) if cfg.reward_weight > 0 else None  # (B,)
     row_w = row_capability_weights(batch.row_caps, cfg.capability_weights).to(cmask.device)  # (B,)
-    cap_ids = {c: i for i, c in enumerate(sorted(set(batch.row_caps)))}
-    row_dom = torch.tensor([cap_ids[c] for c in batch.row_caps], device=cmask.device)  # (B,) for domain_norm
+    row_dom = None  # (B,) each row's capability id, read by domain_norm (domain_balance: dn) alone
+    if cfg.domain_balance == "dn":
+        cap_ids = {c: i for i, c in enumerate(sorted(set(batch.row_caps)))}
+        row_dom = torch.tensor([cap_ids[c] for c in batch.row_caps], device=cmask.device)
     stats: dict[str, list[float]] = {}
     # B = prompts x group rows on every rank, so every rank calls backward equally often (DeepSpeed needs it)
     for rows in minibatches(batch, cfg.updates_per_batch, generator):
@@ -100,7 +102,8 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
         W = lm_head_weight(policy.lm)  # (V, H)
         new_lp = scatter_tokens(selective_log_softmax(h, W, batch.targets[rows][r], cfg.kernel_chunk), m)  # (b, T)
         mb = Minibatch(rows, m, h, W, new_lp, None if batch.old_lp is None else batch.old_lp[rows], tok_index[rows][r],
-                       row_w[rows], None if reward_adv is None else reward_adv[rows], row_dom[rows])
+                       row_w[rows], None if reward_adv is None else reward_adv[rows],
+                       None if row_dom is None else row_dom[rows])
         loss, st = est.loss(mb, outputs)
         gn = optimizer_step(loss, opt, policy.parameters(), cfg.grad_clip, backward)
         for k, v in {**st, "loss": float(loss.detach()), "grad_norm": float(gn)}.items():
@@ -153,9 +156,7 @@ def adapted_mix(mix: dict[str, float], history: list[dict], strength: float) -> 
     last = next((r for r in reversed(history) if "min_retention" in r), None)
     if not strength or last is None:
         return mix
-    raw = {c: w * (1 + strength * max(0.0, 1 - last.get(f"retention/{c}", 1.0))) for c, w in mix.items()}
-    total = sum(raw.values())
-    return {c: v / total for c, v in raw.items()}
+    return _normalised({c: w * (1 + strength * max(0.0, 1 - last.get(f"retention/{c}", 1.0))) for c, w in mix.items()})
 
 
 def kl_scheduled_mix(mix: dict[str, float], history: list[dict], routes: Routes) -> dict[str, float]:
@@ -165,15 +166,15 @@ def kl_scheduled_mix(mix: dict[str, float], history: list[dict], routes: Routes)
     last = next((r for r in reversed(history) if any(k.startswith("kl/") for k in r)), None)
     if last is None:
         return mix
-    kl = {}
-    for c in mix:
-        got = [(w, last[f"kl/{t}"]) for t, w in routes.get(c, {}).items() if f"kl/{t}" in last]
-        if got:
-            kl[c] = sum(w * v for w, v in got) / sum(w for w, _ in got)
+    kl = {c: v for c in mix if (v := capability_kl(last, routes.get(c, {}))) is not None}
     mean = sum(kl.values()) / len(kl) if kl else 0.0
     if mean <= 0:
         return mix
-    raw = {c: w * min(4.0, max(0.25, kl.get(c, mean) / mean)) for c, w in mix.items()}
+    return _normalised({c: w * min(4.0, max(0.25, kl.get(c, mean) / mean)) for c, w in mix.items()})
+
+
+def _normalised(raw: dict[str, float]) -> dict[str, float]:
+    """Shares summing to 1."""
     total = sum(raw.values())
     return {c: v / total for c, v in raw.items()}
 

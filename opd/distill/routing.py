@@ -10,6 +10,13 @@ from opd.errors import OpdError
 Routes = dict[str, dict[str, float]]  # capability -> {teacher: weight}, weights summing to 1
 
 
+def capability_kl(record: dict, teachers: dict[str, float]) -> float | None:
+    """A capability's reverse KL in one step's record: the `teachers`-weighted mean of their logged
+    kl/<teacher> (teacher -> weight, a route's); None where none of them is in the record."""
+    got = [(w, record[f"kl/{t}"]) for t, w in teachers.items() if f"kl/{t}" in record]
+    return sum(w * v for w, v in got) / sum(w for w, _ in got) if got else None
+
+
 def resolve_routes(teacher_caps: dict[str, str | Sequence[str]], routes: dict[str, list[TeacherRef]] | None = None,
                    weights: dict[str, float] | None = None) -> Routes:
     """Normalised routes. Default: each teacher serves its tasks (`teacher_caps`: teacher -> its
