@@ -59,8 +59,7 @@ class LayerLayout(BaseModel):
 @functools.lru_cache(maxsize=8)
 def layout_for(model_dir: str) -> LayerLayout:
     """The layer layout of the model in `model_dir` (its config.json), as mergekit plans it."""
-    # mergekit.architecture and mergekit.config import peft, ~160 MiB resident in every process that merges
-    # (bench/bench_scale.py's start RSS). lazy: only a layer-wise setting needs them
+    # lazy: peft (imported by mergekit.architecture and .config), ~160 MiB resident; only layer-wise settings need it
     from mergekit.architecture import arch_info_for_config
     from transformers import (
         AutoConfig,  # lazy: transformers' Auto classes add ~0.45 s; only a layer-wise setting reads the config
