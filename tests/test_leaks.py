@@ -66,8 +66,10 @@ def test_a_lab_recipe_contains_the_merge_recipe_and_checks_its_train_section(tmp
     # the shipped file reads both ways: `opd merge` keeps `train:` as written, `opd lab` checks it
     merge = load_recipe("merge_recipes/lab10.yaml")
     lab = load_lab_recipe("merge_recipes/lab10.yaml")
-    assert merge.train == {"overrides": {"steps": 400, "max_minutes": 12}, "jobs": 2}
-    assert lab.merge == merge and lab.train == LabTraining(overrides={"steps": 400, "max_minutes": 12}, jobs=2)
+    overrides = {"steps": 400, "max_minutes": 12, "gspo.layout": "packed", "gspo.minibatch": "groups",
+                 "engine_args.compact_every": 3, "engine_args.prefill": "packed"}
+    assert merge.train == {"overrides": overrides, "jobs": 2}
+    assert lab.merge == merge and lab.train == LabTraining(overrides=overrides, jobs=2)
     assert load_lab_recipe("merge_recipes/byo.yaml").train == LabTraining()  # no train: section
     # a typo in the lab's section is the lab's error, named by file and field; `opd merge` runs the file
     path = tmp_path / "r.yaml"

@@ -253,7 +253,7 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         verify = cfg.verifier != "none"
         state.warm_samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,
                                               group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
-                                              seed=cfg.seed + run.ranks.rank, verify=verify)
+                                              seed=cfg.seed + run.ranks.rank, verify=verify, prefill=cfg.layout)
         run.log(f"warm start: {'verified' if verify else 'unfiltered'} teacher samples "
                 + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
         if not any(state.warm_samples.values()):

@@ -24,25 +24,31 @@ from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss
 from opd.rl.packing import Layout, lay_out, padded_rows
 from opd.rollout import SamplingParams
+from opd.rollout.embedded import EmbeddedEngine
 
 Sample = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 
 
 def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.Random, *, prompts: int,
-                     group: int, temperature: float, seed: int, verify: bool = True) -> dict[str, list[Sample]]:
+                     group: int, temperature: float, seed: int, verify: bool = True,
+                     prefill: Layout = "padded") -> dict[str, list[Sample]]:
     """Capability -> distinct (prompt, completion) pairs sampled from its highest-weight teacher that
     the capability's verifier accepts (score 1). Deterministic given `rng` and `seed`.
 
     verify False: every non-empty sample, duplicates included, and the verifier is never called; the
-    pairs then follow the teacher's own distribution (deduplicating would flatten it towards its tail)."""
+    pairs then follow the teacher's own distribution (deduplicating would flatten it towards its tail).
+    prefill: how an in-process teacher prefills the prompts (EmbeddedEngine's; the same distribution)."""
     out: dict[str, list[Sample]] = {}
     for i, (cap, ts) in enumerate(sorted(routes.items())):
         capability = get_capability(cap)
         teacher = teachers[max(sorted(ts), key=ts.get)]
+        engine = teacher.engine
+        if isinstance(engine, EmbeddedEngine) and engine.prefill != prefill:
+            engine = EmbeddedEngine(engine.model, engine.tokenizer, engine.batch_size, engine.compact_every, prefill)
         items = [capability.sample(rng, "train") for _ in range(prompts)]
         params = SamplingParams(temperature=temperature, max_new_tokens=capability.max_new_tokens + 1,
                                 seed=seed * 1_000_003 + i)
-        groups = teacher.engine.generate(prompt_texts(items, getattr(teacher.engine, "tokenizer", None)), group, params)
+        groups = engine.generate(prompt_texts(items, getattr(engine, "tokenizer", None)), group, params)
         kept = [(tuple(r.prompt_ids), tuple(r.completion_ids)) for it, g in zip(items, groups) for r in g
                 if r.completion_ids and (not verify or capability.verify(r.text, it.answer) >= 1.0)]
         out[cap] = [(list(p), list(c)) for p, c in (dict.fromkeys(kept) if verify else kept)]

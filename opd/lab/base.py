@@ -57,6 +57,9 @@ class BaseSpec(BaseModel):
     mixture: dict[str, float] = Field(description="pre-training mixture weights per capability")
     difficulty: dict[str, int] = Field(default_factory=dict, description="difficulty overrides per capability")
     steps: int = Field(3000, gt=0, description="optimizer steps (upper bound; see patience)")
+    patience: int | None = Field(None, gt=0, description="stop after this many validation screenings in a row "
+                                 "that did not beat the kept checkpoint (None: train all `steps`); the kept "
+                                 "checkpoint is the same as a full run's unless a later one would have beaten it")
     batch_size: int = Field(64, gt=0)
     lr: float = Field(2e-3, gt=0, description="peak learning rate (AdamW)")
     warmup: int = Field(100, ge=0)
@@ -130,6 +133,13 @@ def band_key(scores: dict[str, float], band: tuple[float, float]) -> tuple:
     return (inside, -abs(mean - (lo + hi) / 2))
 
 
+def _out_of_patience(state: dict, spec: BaseSpec) -> bool:
+    """Whether the last `spec.patience` screenings all came after the kept checkpoint."""
+    if spec.patience is None or state["best"] is None:
+        return False
+    return sum(h["step"] > state["best"]["step"] for h in state["history"]) >= spec.patience
+
+
 def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> dict:
     """Train (or resume) the base; write the kept checkpoint to `out` as an HF model directory."""
     out = Path(out)
@@ -157,7 +167,7 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
     t0 = time.time() - state["elapsed"]
     model.train()
     with open_tracker(spec.report_to, tracking_dir(out), spec.name, spec.model_dump(mode="json")) as tracker:
-        while state["step"] < spec.steps:
+        while state["step"] < spec.steps and not _out_of_patience(state, spec):
             step = state["step"]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.lr_floor)
@@ -182,6 +192,9 @@ def build_base(spec: BaseSpec, out: str | Path, *, progress=None, log=print) -> 
                                      "model": copy.deepcopy(model.state_dict())}
                 log(f"step {state['step']}: loss {loss.item():.3f}, in band {key[0]}/{len(scores)} "
                     + " ".join(f"{c}={s:.2f}" for c, s in scores.items()))
+                if _out_of_patience(state, spec):
+                    log(f"stopping at step {state['step']}: {spec.patience} screenings without a better checkpoint "
+                        f"than step {state['best']['step']} (patience)")
                 state["elapsed"] = time.time() - t0
                 atomic_torch_save({"spec": spec.training_fields(), "model": model.state_dict(),
                                    "optim": opt.state_dict(), "stream": stream.state(),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.text import Text
 
+from opd.capabilities import get_capability
 from opd.cluster import check_shared, connect, run_commands_on_ray
 from opd.display import Display, console, display  # console: the live display's; prints land above it
 from opd.errors import OpdError
@@ -114,6 +115,18 @@ def expert_jobs(recipe) -> dict[str, tuple[Path, Path | None]]:
     return jobs
 
 
+def longest_first(specs: dict) -> list[str]:
+    """Expert names in the order to start them on a fixed number of slots: the most sampled tokens
+    first (steps x prompts x group x the capability's answer cap + 1, the update's and the sampler's
+    work alike grow with it), so the short runs fill in at the end and no slot idles while the
+    longest one finishes alone (longest-processing-time scheduling). Ties keep the recipe's order."""
+    def cost(n: str) -> int:
+        s = specs[n]
+        answer = s.gspo.max_new_tokens or get_capability(s.capability).max_new_tokens + 1
+        return s.steps * s.gspo.prompts_per_step * s.gspo.group_size * answer
+    return sorted(specs, key=lambda n: -cost(n))
+
+
 def expert_command(spec: Path, out: Path | None, overrides: dict) -> list[str]:
     """One expert's training as a command line: the package's module, found wherever opd is installed."""
     return [sys.executable, "-m", "opd.expert", str(spec), *(f"{k}={v}" for k, v in overrides.items()),
@@ -198,8 +211,8 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
             run_on_cluster(cluster, {n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
                            {n: loaded[n].task_resources for n in specs},
                            Path("runs") / "lab" / "logs", outs)
-        elif jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged)
-            run_parallel({n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
+        elif jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged), longest first
+            run_parallel({n: expert_command(*specs[n], overrides) for n in longest_first(loaded)},
                          jobs, Path("runs") / "lab" / "logs")
         else:
             for n, (_, out) in specs.items():  # a no-op when spec and base are unchanged
