@@ -97,20 +97,20 @@ def main() -> int:
         ap.error("--order: before,after or after,before")
     revs = {"before": args.before, "after": this_tree()}
     tmp = Path(tempfile.mkdtemp(prefix="opd-lab-wall-"))
-    print(f"torch threads: as the recipe sets them (base and merge {{threads}}, experts 1 each); os.cpu_count() "
-          f"{os.cpu_count()}; copies under {tmp}", flush=True)
+    print(f"torch threads: as the lab sets them (the base spec's and the recipe's `threads` for the base and the "
+          f"merge, each expert spec's for its process); os.cpu_count() {os.cpu_count()}; copies under {tmp}", flush=True)
     res = {side: run_side(side, tree_of(revs[side], tmp / side), args) for side in order}
     stages = list(dict.fromkeys(k for side in order for k in res[side]["stages"]))
-    print(f"\n{'stage':<20}" + "".join(f"{s:>12}" for s in ("before", "after", "after/before")))
+    print(f"\n{'stage':<20}" + "".join(f"{s:>14}" for s in ("before", "after", "after/before")))
     for k in stages:
         b, a = res["before"]["stages"].get(k), res["after"]["stages"].get(k)
         r = f"{a / b:.2f}" if a is not None and b else "-"
-        print(f"{k:<20}{b if b is None else f'{b:.1f}':>12}{a if a is None else f'{a:.1f}':>12}{r:>12}")
+        print(f"{k:<20}{b if b is None else f'{b:.1f}':>14}{a if a is None else f'{a:.1f}':>14}{r:>14}")
     for k in ("wall_min", "cpu_s"):
         b, a = res["before"][k], res["after"][k]
-        print(f"{k:<20}{b:>12.1f}{a:>12.1f}{a / b:>12.2f}")
+        print(f"{k:<20}{b:>14.1f}{a:>14.1f}{a / b:>14.2f}")
     for k in ("min_retention", "min_gain_kept"):
-        print(f"{k + ' (test)':<20}{res['before'][k]:>12}{res['after'][k]:>12}")
+        print(f"{k + ' (test)':<20}{res['before'][k]:>14}{res['after'][k]:>14}")
     if not args.keep:
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
     print(f"ratio: {res['after']['wall_min'] / res['before']['wall_min']:.2f}")

@@ -4,6 +4,7 @@ the base's patience, and the warm start's teachers prefilling packed prompts."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -15,8 +16,9 @@ def test_experts_start_longest_first_by_sampled_tokens():
 
     specs = {n: ExpertSpec(capability=c, steps=s) for n, c, s in
              [("add", "add", 400), ("dedup", "dedup", 400), ("sort", "sort", 100), ("mod", "mod", 400)]}
-    # answer caps + 1: add 5, dedup 9, sort 10, mod 4; sort's 100 steps make it short despite its cap
-    assert longest_first(specs) == ["dedup", "add", "sort", "mod"]
+    # steps x (answer cap + 1): dedup 400 x 9, add 400 x 5, mod 400 x 4, sort 100 x 10 (its long answers
+    # but a quarter of the steps)
+    assert longest_first(specs) == ["dedup", "add", "mod", "sort"]
     # a spec's own answer cap wins over its capability's
     specs["mod"] = ExpertSpec(capability="mod", steps=400, gspo={"max_new_tokens": 31})
     assert longest_first(specs)[0] == "mod"
@@ -97,4 +99,9 @@ def test_warm_start_teachers_prefill_as_the_layout_says(trained_pico_dir, tokeni
     assert not packed_calls
     packed = draw("packed")
     assert packed_calls and teacher.engine.prefill == "padded"
-    assert packed == padded
+    # the same seeded draws: the packed prefill's keys and values differ from the padded ones by float
+    # rounding only, which may flip a rare sample
+    def pairs(out):
+        return Counter((tuple(p), tuple(c)) for p, c in out["count"])
+
+    assert sum((pairs(packed) & pairs(padded)).values()) >= 0.95 * len(padded["count"]) > 0
