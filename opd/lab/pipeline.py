@@ -207,8 +207,8 @@ def run_lab(recipe_path: str, stages: list[str], jobs: int | None = None, seed: 
         cluster = train.cluster
         if ray is not None:
             cluster = cluster.model_copy(update={"engine": "ray", "address": ray})
-        if cluster.engine == "ray":  # one task per expert, with the resources its spec asks for
-            run_on_cluster(cluster, {n: expert_command(spec, out, overrides) for n, (spec, out) in specs.items()},
+        if cluster.engine == "ray":  # one task per expert, with the resources its spec asks for, longest first
+            run_on_cluster(cluster, {n: expert_command(*specs[n], overrides) for n in longest_first(loaded)},
                            {n: loaded[n].task_resources for n in specs},
                            Path("runs") / "lab" / "logs", outs)
         elif jobs > 1:  # one process per expert (each a no-op when its spec and base are unchanged), longest first
