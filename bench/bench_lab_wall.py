@@ -11,8 +11,9 @@ temp directory, and runs `scripts/lab.py --recipe R [--seed S]` there with an em
 `PYTHONPATH` set to that copy (so its own opd/ and kernels/ load, not the installed ones), its own
 runs/ and experts/: nothing is shared between the sides or with this checkout. Minutes per stage are
 the ones the lab records (its `lab_stages.json` and the merge's results.json `stages`), wall and CPU
-seconds of the whole command beside them; the min retention and min gain kept on test are read
-from the headline of each side's report, since a faster lab only counts with the targets met.
+seconds of the whole command beside them; the min retention and min gain kept on test come from the
+same results.json, as the report's headline computes them: a faster lab only counts with the
+targets met.
 `uptime` is printed before and after each side: run it on an idle machine.
 """
 
@@ -22,7 +23,6 @@ import argparse
 import io
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -49,12 +49,14 @@ def this_tree() -> str:
     return out.stdout.strip() or "HEAD"
 
 
-def headline(report: Path) -> dict:
-    """Min retention and min gain kept from a report's headline line."""
-    text = report.read_text() if report.exists() else ""
-    ret = re.search(r"\*\*min retention ([0-9.\-]+)\*\*", text)
-    kept = re.search(r"\*\*min gain kept ([0-9.\-]+)\*\*", text)
-    return {"min_retention": ret.group(1) if ret else "?", "min_gain_kept": kept.group(1) if kept else "?"}
+def headline(results: dict) -> dict:
+    """Min retention and min gain kept on test of the lab's final model, from its results.json, as the
+    report's headline computes them (opd.merge.headline)."""
+    from opd.merge.headline import capability_rows, minima  # lazy: opd.merge loads torch
+    from opd.merge.report import expert_rows  # lazy: as above
+
+    m = minima(capability_rows(results["matrix"]["test"], results["best"], expert_rows(results)))
+    return {k: "?" if m.get(k) is None else f"{m[k]:.2f}" for k in ("min_retention", "min_gain_kept")}
 
 
 def run_side(name: str, code: Path, args) -> dict:
@@ -72,16 +74,10 @@ def run_side(name: str, code: Path, args) -> dict:
     print(f"  uptime after: {os.getloadavg()}; exit {rc}; log {code / 'lab.log'}", flush=True)
     if rc != 0:
         raise SystemExit(f"{name}: the lab failed (exit {rc}); see {code / 'lab.log'}")
-    name_ = _recipe_name(code / args.recipe)
-    out = code / "runs" / "merge" / name_
-    results = json.loads((out / "results.json").read_text())
-    return {"stages": results.get("stages", {}), "wall_min": wall / 60, "cpu_s": cpu, **headline(out / "report.md")}
+    from opd.merge import load_recipe  # lazy: opd.merge loads torch
 
-
-def _recipe_name(path: Path) -> str:
-    import yaml
-
-    return (yaml.safe_load(path.read_text()) or {}).get("name") or path.stem
+    results = json.loads((code / load_recipe(code / args.recipe).out_dir / "results.json").read_text())
+    return {"stages": results.get("stages", {}), "wall_min": wall / 60, "cpu_s": cpu, **headline(results)}
 
 
 def main() -> int:
