@@ -40,3 +40,15 @@ def test_byo_tasks_index_with_a_usable_metric():
     for path in d.glob("*.yaml"):
         info = task_info(path.stem, str(d), manager)
         assert (info.metric, info.filter) == ("exact_match", "strict-match") and not info.include_defaults
+
+
+def test_lab12_noverifier_reuses_lab10s_experts():
+    """lab12_noverifier's ten verified experts are lab10's: the same outputs and training overrides, so a
+    lab12 run reuses a lab10 run's experts (spec and base hashes match) instead of training others."""
+    from opd.lab.recipe import load_lab_recipe
+
+    lab10 = load_lab_recipe(ROOT / "merge_recipes" / "lab10.yaml")
+    lab12 = load_lab_recipe(ROOT / "merge_recipes" / "lab12_noverifier.yaml")
+    assert set(lab10.merge.experts) < set(lab12.merge.experts)
+    assert lab12.train.overrides == lab10.train.overrides and lab12.merge.base == lab10.merge.base
+    assert lab12.merge.verifier == "none" and lab12.merge.distill.warmstart_temperature < 1.0
