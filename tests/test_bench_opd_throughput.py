@@ -11,7 +11,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_opd_throughput.py
 
 
 def test_quick_runs_the_tuned_loop_on_two_ranks():
-    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--ranks", "2", "--tokens", "1500", "--grid", "750"],
+    # the smallest tuned steps (64 x 3 in 3 updates) and no stacked run (the loop's code with the default teacher bank,
+    # which tests/test_distill*.py cover), to keep CI short
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--ranks", "2", "--runs", "loop,tuned", "--prompts",
+                          "64", "--updates", "3", "--tokens", "600", "--grid", "300"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -20,8 +23,8 @@ def test_quick_runs_the_tuned_loop_on_two_ranks():
     # both ranks' tokens counted, and rank 0 ran the checks on the same grid as the one-process runs
     tokens = {line.split()[0]: int(re.search(r"(\d+) student tokens", line)[1]) for line in lines
               if re.match(r"(loop|stacked|tuned) +seed 0 threads", line)}
-    assert set(tokens) == {"loop", "stacked", "tuned"} and min(tokens.values()) >= 1500
-    assert tuned.count(":") >= 2 and "750:" in tuned
+    assert set(tokens) == {"loop", "tuned"} and min(tokens.values()) >= 600
+    assert tuned.count(":") >= 2 and "300:" in tuned
     assert re.fullmatch(r"ratio: \d+\.\d\d", lines[-1])
 
 

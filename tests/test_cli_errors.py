@@ -1,17 +1,24 @@
-"""Bad input: one line on stderr naming what to fix, exit code 2, no traceback, nothing written."""
+"""Bad input: one line on stderr naming what to fix, exit code 2, no traceback, nothing written.
+
+The entry points run in this process (tests/cli_inprocess.py); tests/test_fuzz_inputs.py runs each
+script as a subprocess on malformed files."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_inprocess import run_main
+
+from opd.expert.cli import train_main
+from opd.lab.cli import base_main
 
 ROOT = Path(__file__).resolve().parents[1]
+MAINS = {"scripts/build_base.py": base_main, "scripts/train_expert.py": train_main}
 
 
 def run(args, cwd):
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    """`python <script> <args>` in this process."""
+    return run_main(MAINS[str(Path(args[0]).relative_to(ROOT))], args[1:], cwd)
 
 
 def assert_user_error(r, *needles):

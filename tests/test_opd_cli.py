@@ -6,6 +6,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from cli_inprocess import run_main
 
 from opd.cli import COMMANDS
 
@@ -47,8 +48,12 @@ def test_each_command_has_its_own_help(name, capsys):
     (["base", "--spec", "missing.yaml"], "missing.yaml"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
+    from opd.cli import main
+
     before = sorted(p.name for p in tmp_path.iterdir())
-    r = opd(*args, cwd=tmp_path)
+    # in this process (tests/cli_inprocess.py): the `opd` command itself runs as a subprocess in the help test
+    # above; a fresh interpreter per case spent ~5 s importing torch
+    r = run_main(main, args, tmp_path)
     assert r.returncode == 2, r.stderr[-1000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], r.stderr
