@@ -108,3 +108,22 @@ def test_every_recipe_strategy_appears_with_the_reason_it_was_not_rescored():
     md = headline_md("#1 opd", capability_rows(CELLS, "#1 opd", EXPERTS), [], {}, missing=[
         {"strategy": "ties", "reason": got["ties"]}])
     assert "| ties | — | — | — | — | not re-scored on test: screened out" in md
+
+
+def test_a_shortfall_is_a_loss_only_beyond_two_stderr_of_the_difference():
+    """#1 opd trails add's expert by 0.08 at stderr sqrt(0.03^2 + 0.03^2) = 0.042 (z -1.9: within noise);
+    #3 ties trails it by 0.20 at sqrt(0.02^2 + 0.03^2) = 0.036 (z -5.5: lost for certain)."""
+    opd = {r.capability: r for r in capability_rows(CELLS, "#1 opd", EXPERTS)}
+    assert opd["add"].vs_expert_z == pytest.approx(-0.08 / (2 * 0.03**2) ** 0.5)
+    assert opd["rev"].vs_expert_z == pytest.approx(0.0)
+    assert minima(list(opd.values()))["losses"] == []
+    ties = minima(capability_rows(CELLS, "#3 ties", EXPERTS))
+    assert [c for c, _ in ties["losses"]] == ["add"] and ties["losses"][0][1] == pytest.approx(-0.2 / 0.0013**0.5)
+    assert ties["weakest_z"] == pytest.approx(-0.2 / 0.0013**0.5)
+    assert minima(capability_rows(CELLS, "#3 ties", EXPERTS), min_z=6.0)["losses"] == []  # the threshold is a setting
+    md = headline_md("#1 opd", list(opd.values()), [], {})
+    assert "No capability is lost for certain" in md and "The weakest, add, is at z -1.9" in md
+    md = headline_md("#3 ties", capability_rows(CELLS, "#3 ties", EXPERTS),
+                     strategy_rows(CELLS, {"#3 ties": {"candidate": {"strategy": "ties"}}}, EXPERTS), {})
+    assert "**Lost for certain**" in md and "add (-5.5)" in md and "| -5.5 |" in md
+    assert md.rstrip().endswith("| ties | #3 ties | 0.60 | 0.60 | 0.50 | add | 1 of 1 |")
