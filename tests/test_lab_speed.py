@@ -105,3 +105,35 @@ def test_warm_start_teachers_prefill_as_the_layout_says(trained_pico_dir, tokeni
         return Counter((tuple(p), tuple(c)) for p, c in out["count"])
 
     assert sum((pairs(packed) & pairs(padded)).values()) >= 0.95 * len(padded["count"]) > 0
+
+
+@pytest.mark.parametrize("patience, stop, best", [(None, 8, 4), (1, 5, 4), (2, 6, 4), (3, 7, 4)])
+def test_expert_patience_stops_after_screenings_without_a_better_checkpoint(trained_pico_dir, tmp_path,
+                                                                             patience, stop, best):
+    """GSPO screenings (one a step) rise to step 4 and then fall: with patience p the loop stops at
+    step 4 + p and keeps step 4, as the full run does. A rerun of a stopped run trains nothing more."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.expert.spec import ExpertSpec
+    from opd.expert.trainer import train
+
+    vals = [0.05, 0.1, 0.2, 0.3, 0.4, 0.35, 0.2, 0.1, 0.0]  # step 0 .. 8
+    tok = AutoTokenizer.from_pretrained(trained_pico_dir)
+    spec = ExpertSpec(capability="count", base=str(trained_pico_dir), steps=8, eval_every=1, checkpoint_every=1,
+                      patience=patience, gspo={"prompts_per_step": 2, "group_size": 2, "updates_per_batch": 1,
+                                               "min_informative": 0.0})
+    calls, logs = [], []
+
+    def screen(m):
+        calls.append(1)
+        return vals[len(calls) - 1]
+
+    ck = tmp_path / "ck" / "state.pt"
+    state = train(spec.gspo, spec.run_settings(), AutoModelForCausalLM.from_pretrained(trained_pico_dir), tok, ck,
+                  evaluate_fn=screen, log=logs.append)
+    assert (state.step, state.best_step) == (stop, best)
+    assert len(calls) == stop + 1  # step 0 and one a step
+    assert any("patience" in m for m in logs) == (patience is not None)
+    again = train(spec.gspo, spec.run_settings(), AutoModelForCausalLM.from_pretrained(trained_pico_dir), tok, ck,
+                  evaluate_fn=screen, log=logs.append)
+    assert (again.step, again.best_step, len(calls)) == (stop, best, stop + 1)

@@ -72,6 +72,8 @@ class GSPORun(BaseModel):
     steps: int = Field(200, gt=0, description="rollout batches (upper bound; max_minutes may stop earlier)")
     max_minutes: float = Field(10.0, gt=0, description="wall-clock budget")
     eval_every: int = Field(10, gt=0, description="steps between validation screenings (evaluate_fn)")
+    patience: int | None = Field(None, gt=0, description="stop after this many screenings in a row that did not "
+                                 "beat the kept checkpoint (None: run all `steps`)")
     checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
     engine: str = Field("embedded", description="rollout engine (opd.rollout)")
     engine_args: dict = Field(default_factory=dict, description="engine options")

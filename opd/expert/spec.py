@@ -46,6 +46,9 @@ class ExpertSpec(BaseModel):
     engine_args: dict = Field(default_factory=dict, description="engine options, e.g. {base_url: http://127.0.0.1:30000} for sglang")
     eval_every: int = Field(10, gt=0, description="steps between validation screenings")
     eval_limit: int = Field(100, gt=0, description="validation items per screening")
+    patience: int | None = Field(None, gt=0, description="stop after this many validation screenings in a row "
+                                 "that did not beat the kept checkpoint (None: train all `steps`); the kept "
+                                 "checkpoint is a full run's unless a later screening would have beaten it")
     checkpoint_every: int = Field(10, gt=0, description="steps between resumable checkpoints")
     score_capabilities: list[str] | None = Field(None, description="capabilities for the final matrix; default: the base's")
     deepspeed: DeepSpeedFragment = Field(None, description="DeepSpeed config (e.g. {zero_optimization: {stage: 2}}); None = plain torch")
@@ -96,7 +99,8 @@ class ExpertSpec(BaseModel):
         resumes only a checkpoint of the same spec (`same_spec`)."""
         return GSPORun(name=self.expert_name, capability=self.capability, seed=self.seed, difficulty=self.difficulty,
                        reward=self.reward, reward_model=self.reward_model_dir, reward_timeout_s=self.reward_timeout_s, steps=self.steps,
-                       max_minutes=self.max_minutes, eval_every=self.eval_every, checkpoint_every=self.checkpoint_every,
+                       max_minutes=self.max_minutes, eval_every=self.eval_every, patience=self.patience,
+                       checkpoint_every=self.checkpoint_every,
                        engine=self.engine, engine_args=self.engine_args, deepspeed=self.deepspeed is not None,
                        job=self.model_dump(mode="json"), same_job=functools.partial(same_spec, spec=self))
 

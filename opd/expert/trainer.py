@@ -148,6 +148,14 @@ def _same_size_on_all_ranks(kept: list) -> list:
     return kept[: ranks_min(len(kept))]
 
 
+def out_of_patience(state: RunState, run: GSPORun) -> bool:
+    """Whether the last `run.patience` screenings all came after the kept checkpoint (screenings fall
+    on every `eval_every`-th step; the kept one is step 0 or one of them)."""
+    if run.patience is None:
+        return False
+    return state.step // run.eval_every - state.best_step // run.eval_every >= run.patience
+
+
 def checkpointer(path: Path, run: GSPORun, ranks: Ranks = Ranks(), log=print) -> Checkpointer:
     """The run's checkpoint (opd.rl.checkpoint). Its identity is the run's job, under "spec" (the name
     checkpoints written before the loop took settings gave it); a checkpoint of another job
@@ -206,7 +214,7 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
         ref_model.to(model_device(model))
     engine = get_engine(run.engine, model=policy, tokenizer=tokenizer, **run.engine_args)
     t0 = time.time() - state.elapsed
-    while state.step < run.steps and time.time() - t0 < run.max_minutes * 60:
+    while state.step < run.steps and time.time() - t0 < run.max_minutes * 60 and not out_of_patience(state, run):
         t_roll = time.time()
         kept, share, gen_tokens, failures = _rollout_batch(engine, cap, rng, g, run, state,
                                                            seed=run.seed * 100_003 + state.step + ranks.rank * 1_000_003,
@@ -238,6 +246,9 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
                 f"reward {rec.get('reward', 0):.3f} informative {share:.2f} clip {rec.get('clip_fraction', 0):.2f} "
                 f"ratio [{rec.get('ratio_min', 1):.4f}, {rec.get('ratio_max', 1):.4f}] T {state.temperature:.2f} "
                 f"{state.elapsed / 60 if state.elapsed else (time.time() - t0) / 60:.1f} min")
+            if out_of_patience(state, run):
+                log(f"stopping at step {state.step}: {run.patience} screenings without a better checkpoint "
+                    f"than step {state.best_step} (patience)")
         state.history.append(rec)
         tracker.log(rec, state.step)
         state.elapsed = time.time() - t0
