@@ -34,21 +34,20 @@ def step0(history: list[dict], log: Path) -> float | None:
     return None
 
 
-def with_patience(first: float, screens: list[tuple[int, float]], patience: int | None) -> tuple[int, int, float]:
+def with_patience(first: float, screens: list[tuple[int, float]], patience: int | None,
+                  eval_every: int = 10) -> tuple[int, int, float]:
     """(stop step, kept step, kept val) of the loop in opd.expert.trainer given its val screenings:
-    `first` is step 0's screen; a screen counts as better only when strictly above the best so far."""
+    `first` is step 0's screen; a screen counts as better only when strictly above the best so far,
+    and the loop's own rule (opd.expert.trainer.out_of_patience) decides the stop."""
+    from opd.expert.trainer import out_of_patience  # lazy: loads torch
+
     best_step, best = 0, first
-    since = 0
-    stop = screens[-1][0] if screens else 0
     for step, val in screens:
         if val > best:
-            best_step, best, since = step, val, 0
-        else:
-            since += 1
-        if patience is not None and since >= patience:
-            stop = step
-            break
-    return stop, best_step, best
+            best_step, best = step, val
+        if out_of_patience(step, best_step, eval_every, patience):
+            return step, best_step, best
+    return (screens[-1][0] if screens else 0), best_step, best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {mf}: step 0's val screen is neither in its history nor in {args.logs}/{m['name']}.log; "
                   "pass --logs DIR with the lab's expert logs", file=sys.stderr)
             return 2
-        rows.append((m["name"], first, screenings(hist), train["steps"]))
+        rows.append((m["name"], first, screenings(hist), train["steps"], (m.get("spec") or {}).get("eval_every", 10)))
     if not rows:
         print(f"error: {args.experts}: no expert manifests with a training history; train experts first "
               "(python scripts/lab.py --recipe merge_recipes/lab10.yaml)", file=sys.stderr)
@@ -80,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     total = {p: 0 for p in args.patience}
     steps_all = 0
     changed = {p: [] for p in args.patience}
-    for name, first, screens, steps in rows:
-        _, kept, val = with_patience(first, screens, None)
+    for name, first, screens, steps, every in rows:
+        _, kept, val = with_patience(first, screens, None, every)
         cells = []
         for p in args.patience:
-            stop, k, v = with_patience(first, screens, p)
+            stop, k, v = with_patience(first, screens, p, every)
             total[p] += stop
             if k != kept:
                 changed[p].append(f"{name} {v:.3f}<{val:.3f}")

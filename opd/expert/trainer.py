@@ -148,12 +148,10 @@ def _same_size_on_all_ranks(kept: list) -> list:
     return kept[: ranks_min(len(kept))]
 
 
-def out_of_patience(state: RunState, run: GSPORun) -> bool:
-    """Whether the last `run.patience` screenings all came after the kept checkpoint (screenings fall
-    on every `eval_every`-th step; the kept one is step 0 or one of them)."""
-    if run.patience is None:
-        return False
-    return state.step // run.eval_every - state.best_step // run.eval_every >= run.patience
+def out_of_patience(step: int, best_step: int, eval_every: int, patience: int | None) -> bool:
+    """Whether the last `patience` screenings up to `step` all came after the kept checkpoint at
+    `best_step` (screenings fall on every `eval_every`-th step; the kept one is step 0 or one of them)."""
+    return patience is not None and step // eval_every - best_step // eval_every >= patience
 
 
 def checkpointer(path: Path, run: GSPORun, ranks: Ranks = Ranks(), log=print) -> Checkpointer:
@@ -214,7 +212,11 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
         ref_model.to(model_device(model))
     engine = get_engine(run.engine, model=policy, tokenizer=tokenizer, **run.engine_args)
     t0 = time.time() - state.elapsed
-    while state.step < run.steps and time.time() - t0 < run.max_minutes * 60 and not out_of_patience(state, run):
+
+    def stopped(st: RunState) -> bool:
+        return out_of_patience(st.step, st.best_step, run.eval_every, run.patience)
+
+    while state.step < run.steps and time.time() - t0 < run.max_minutes * 60 and not stopped(state):
         t_roll = time.time()
         kept, share, gen_tokens, failures = _rollout_batch(engine, cap, rng, g, run, state,
                                                            seed=run.seed * 100_003 + state.step + ranks.rank * 1_000_003,
@@ -246,7 +248,7 @@ def train(g: GSPOConfig, run: GSPORun, model, tokenizer, ckpt_path: Path, *, eva
                 f"reward {rec.get('reward', 0):.3f} informative {share:.2f} clip {rec.get('clip_fraction', 0):.2f} "
                 f"ratio [{rec.get('ratio_min', 1):.4f}, {rec.get('ratio_max', 1):.4f}] T {state.temperature:.2f} "
                 f"{state.elapsed / 60 if state.elapsed else (time.time() - t0) / 60:.1f} min")
-            if out_of_patience(state, run):
+            if stopped(state):
                 log(f"stopping at step {state.step}: {run.patience} screenings without a better checkpoint "
                     f"than step {state.best_step} (patience)")
         state.history.append(rec)
