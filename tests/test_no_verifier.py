@@ -149,6 +149,36 @@ def test_verifier_none_warm_start_keeps_incorrect_samples(lab, tokenizer, reward
     assert 0 < len(verified) < len(everything) and set(map(str, verified)) <= set(map(str, everything))
 
 
+def test_verifier_none_mbr_picks_the_consensus():
+    """MBR selection (warmstart_select: mbr) keeps the majority completion when some repeat, else the
+    one closest to the others; a lone distinct sample, or a tie, goes to the one drawn first."""
+    from opd.distill.offpolicy import mbr_pick, similarity
+
+    assert similarity((1, 2, 3), (1, 2, 3)) == 1.0 and similarity((1, 2), (3, 4)) == 0.0
+    assert mbr_pick([(5, 2), (7, 2), (7, 2), (9, 2)]) == (7, 2)  # the majority
+    # no repeats: (1, 2, 3, 4) shares most with both others
+    assert mbr_pick([(9, 9, 9, 9), (1, 2, 3, 4), (1, 2, 3, 5), (6, 2, 3, 4)]) == (1, 2, 3, 4)
+    assert mbr_pick([(4,)]) == (4,) and mbr_pick([(1,), (2,)]) == (1,)
+
+
+def test_verifier_none_mbr_warm_start_reads_no_reward(lab, tokenizer, reward_calls):
+    """select mbr: one pair per prompt, each of them one of that prompt's unfiltered samples, and no
+    reward is called."""
+    from opd.distill.offpolicy import verified_samples
+    from opd.distill.routing import resolve_routes
+    from opd.distill.teachers import embedded_teacher
+
+    model = AutoModelForCausalLM.from_pretrained(lab["experts"]["count"])
+    teachers = {"count": embedded_teacher("count", "count", model, tokenizer)}
+    routes = resolve_routes({"count": ("count",)})
+    kw = {"prompts": 6, "group": 4, "temperature": 1.0, "seed": 0, "verify": False}
+    everything = verified_samples(teachers, routes, random.Random(0), **kw)["count"]
+    picked = verified_samples(teachers, routes, random.Random(0), select="mbr", **kw)["count"]
+    assert reward_calls.training == 0 and len(picked) == 6
+    for prompt, completion in picked:
+        assert completion in [c for p, c in everything if p == prompt]
+
+
 def test_verifier_none_batch_carries_no_reward(lab, tokenizer, reward_calls):
     """The OPD batch under verifier: none has no rewards and its update runs without them."""
     from opd.distill.batch import build_batch, sample_batch

@@ -205,3 +205,42 @@ def test_row_width_packs_no_more_positions_than_a_fixed_width():
         fixed = max(max(size), min(64, sum(size)))
         assert len(fill) * S <= len(first_fit(size, fixed)[1]) * fixed
         assert all(f <= S for f in fill) and len(set(place)) == len(size)
+
+
+def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher(pico_model, tokenizer):
+    """warmstart_loss: kl: every completion token's KL(student || its capability's teacher) over the
+    full vocabulary, from the padded logits by hand, in either layout, pairs of two teachers mixed;
+    zero against a teacher equal to the student, and its gradient reaches the student alone."""
+    from opd_kernels.chunked import reverse_kl_from_logits
+    from opd.distill.offpolicy import kd_loss
+    from opd.distill.teachers import embedded_teacher
+
+    pad = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    other = copy.deepcopy(pico_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    teachers = {"count": embedded_teacher("t1", "count", copy.deepcopy(pico_model), tokenizer),
+                "sort": embedded_teacher("t2", "sort", other, tokenizer)}
+    caps = ["sort", "count", "sort", "count", "count", "sort"]
+    batch = list(zip(caps, zip(P, C)))
+    policy = StudentHidden(pico_model)
+    W = pico_model.get_output_embeddings().weight
+    per_seq = []
+    for cap, (p, c) in batch:
+        zs = _padded_hidden(pico_model, [p], [c], pad) @ W.T
+        t = teachers[cap].model
+        zt = _padded_hidden(t, [p], [c], pad) @ t.get_output_embeddings().weight.T
+        per_seq.append(reverse_kl_from_logits(zs, zt).mean())
+    want = torch.stack(per_seq).mean()
+    for layout in ("padded", "packed"):
+        loss, n = kd_loss(policy, batch, teachers, pad, layout=layout)
+        assert n == sum(len(c) for c in C)
+        assert float(loss.detach()) == pytest.approx(float(want), rel=1e-4) and float(loss.detach()) > 1e-4
+    same = {c: teachers["count"] for c in ("count", "sort")}
+    assert float(kd_loss(policy, batch, same, pad, layout="packed")[0].detach()) == pytest.approx(0.0, abs=1e-6)
+    pico_model.zero_grad()
+    kd_loss(policy, batch, teachers, pad, layout="packed")[0].backward()
+    assert W.grad is not None and W.grad.abs().sum() > 0
+    assert all(p.grad is None for t in teachers.values() for p in t.model.parameters())

@@ -147,6 +147,14 @@ class DistillConfig(BaseModel):
     warmstart_group: int = Field(4, gt=0, description="teacher samples per warm-start prompt (the verifier keeps "
                                  "the correct ones)")
     warmstart_temperature: float = Field(1.0, gt=0, description="teacher sampling temperature for the warm start")
+    warmstart_select: Literal["all", "mbr"] = Field(
+        "all", description="which teacher samples the warm start trains on: 'all' (every kept sample) or 'mbr' (per "
+        "prompt, the one sample that agrees most with the teacher's other samples of it: minimum Bayes risk, a "
+        "consensus that reads no reward, for domains with no verifier; set warmstart_group to the samples to vote)")
+    warmstart_loss: Literal["nll", "kl"] = Field(
+        "nll", description="the warm start's loss on its teacher samples: 'nll' (the sampled tokens, sequence-level KD) "
+        "or 'kl' (at each of their tokens the exact KL(student || teacher) over the full vocabulary to the "
+        "capability's teacher, word-level KD; needs in-process teachers and costs a teacher forward per step)")
     warmstart_lr: float = Field(1e-3, gt=0, description="AdamW lr of the warm start (cosine to lr_min_ratio)")
     warmstart_batch: int = Field(64, gt=0, description="sequences per warm-start step")
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)

@@ -21,7 +21,7 @@ from opd_kernels import selective_log_softmax
 
 from opd.distill.batch import OpdBatch, minibatches, teacher_outputs
 from opd.distill.config import DistillConfig
-from opd.distill.offpolicy import sample_sft_batch, sft_loss, verified_samples
+from opd.distill.offpolicy import kd_loss, main_teachers, sample_sft_batch, sft_loss, verified_samples
 from opd.distill.routing import Routes, capability_kl, prompt_mix, require_routed
 from opd.distill.sampler import Sampler
 from opd.distill.teachers import Teacher, lm_head_weight
@@ -121,7 +121,8 @@ UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
 DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability",
-                          "domain_balance": "none"}
+                          "domain_balance": "none", "warmstart_select": "all",
+                          "warmstart_loss": "nll"}
 
 
 def run_identity(cfg: DistillConfig) -> dict:
@@ -253,8 +254,10 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         verify = cfg.verifier != "none"
         state.warm_samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,
                                               group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
-                                              seed=cfg.seed + run.ranks.rank, verify=verify, prefill=cfg.layout)
-        run.log(f"warm start: {'verified' if verify else 'unfiltered'} teacher samples "
+                                              seed=cfg.seed + run.ranks.rank, verify=verify, prefill=cfg.layout,
+                                              select=cfg.warmstart_select)
+        run.log(f"warm start: {'verified' if verify else 'unfiltered'} teacher samples"
+                + (" (MBR: one per prompt) " if cfg.warmstart_select == "mbr" else " ")
                 + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
         if not any(state.warm_samples.values()):
             raise OpdError(f"warm start: {'the verifier accepted none' if verify else 'no non-empty one'} of the "
@@ -262,11 +265,16 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
                            f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
                            "warmstart_group, or set warmstart_steps: 0")
     run.policy.train()
+    warm_teachers = main_teachers(teachers, routes)
     while state.warm_step < cfg.warmstart_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
-        batch = sample_sft_batch(state.warm_samples, mix, run.rng, cfg.warmstart_batch)
-        loss, n_tok = sft_loss(run.policy, batch, pad_id, cfg.kernel_chunk, cfg.layout)
+        if cfg.warmstart_loss == "kl":
+            batch = sample_sft_batch(state.warm_samples, mix, run.rng, cfg.warmstart_batch, with_caps=True)
+            loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout)
+        else:
+            batch = sample_sft_batch(state.warm_samples, mix, run.rng, cfg.warmstart_batch)
+            loss, n_tok = sft_loss(run.policy, batch, pad_id, cfg.kernel_chunk, cfg.layout)
         optimizer_step(loss, opt, run.policy.parameters(), cfg.grad_clip, run.backward)
         state.warm_step += 1
         state.warm_tokens += n_tok

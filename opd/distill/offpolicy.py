@@ -7,36 +7,67 @@ student is trained on them by teacher forcing. Used as a warm start before on-po
 experts were trained on, so no data beyond the experts and the lab's prompts is used.
 
 With `verifier: none` (domains with no verifier) nothing is filtered and no reward is called: the
-student trains on every sample its teachers drew, sequence-level knowledge distillation.
+student trains on every sample its teachers drew, sequence-level knowledge distillation. With
+`select: mbr` it trains instead on one sample per prompt, the one that agrees most with the teacher's
+other samples of that prompt (minimum Bayes risk selection, Kumar & Byrne 2004; as a distillation target,
+Finkelstein et al. 2023, "MBR and QE Finetuning"): a consensus over the teacher's own samples, which
+reads no reward and needs no answer format (the utility is a similarity of token sequences).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
+from difflib import SequenceMatcher
+from typing import Literal
 
 import torch
-from opd_kernels import selective_log_softmax
+from opd_kernels import reverse_kl, selective_log_softmax
 
 from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
 from opd.distill.teachers import Teacher, lm_head_weight
+from opd.errors import OpdError
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss
-from opd.rl.packing import Layout, lay_out, padded_rows
+from opd.rl.packing import Layout, hidden_at, lay_out, padded_rows
 from opd.rollout import SamplingParams
 from opd.rollout.embedded import EmbeddedEngine
 
 Sample = tuple[list[int], list[int]]  # (prompt ids, completion ids)
+Select = Literal["all", "mbr"]
+
+
+def similarity(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    """MBR's utility between two completions: difflib's Ratcliff/Obershelp ratio of their token ids,
+    2 * matched / (len a + len b); 1 for equal sequences, 0 for disjoint ones."""
+    return SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def mbr_pick(completions: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The completion with the highest summed utility against the prompt's other samples (minimum
+    Bayes risk under the teacher's own distribution). Equal completions are scored once and weighted by
+    their count, so on short answers this is the majority answer, with ties to the one drawn first."""
+    counts = Counter(completions)
+    distinct = list(counts)  # in order of first draw
+    if len(distinct) == 1:
+        return distinct[0]
+
+    def risk_gain(c):
+        return (counts[c] - 1) + sum(n * similarity(c, o) for o, n in counts.items() if o != c)
+
+    return max(distinct, key=risk_gain)
 
 
 def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.Random, *, prompts: int,
                      group: int, temperature: float, seed: int, verify: bool = True,
-                     prefill: Layout = "padded") -> dict[str, list[Sample]]:
+                     prefill: Layout = "padded", select: Select = "all") -> dict[str, list[Sample]]:
     """Capability -> distinct (prompt, completion) pairs sampled from its highest-weight teacher that
     the capability's verifier accepts (score 1). Deterministic given `rng` and `seed`.
 
     verify False: every non-empty sample, duplicates included, and the verifier is never called; the
     pairs then follow the teacher's own distribution (deduplicating would flatten it towards its tail).
+    select "mbr": of each prompt's kept samples, only the one `mbr_pick` chooses (one pair per prompt).
     prefill: how an in-process teacher prefills the prompts (EmbeddedEngine's; the same distribution)."""
     out: dict[str, list[Sample]] = {}
     for i, (cap, ts) in enumerate(sorted(routes.items())):
@@ -49,18 +80,62 @@ def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.R
         params = SamplingParams(temperature=temperature, max_new_tokens=capability.max_new_tokens + 1,
                                 seed=seed * 1_000_003 + i)
         groups = engine.generate(prompt_texts(items, getattr(engine, "tokenizer", None)), group, params)
-        kept = [(tuple(r.prompt_ids), tuple(r.completion_ids)) for it, g in zip(items, groups) for r in g
-                if r.completion_ids and (not verify or capability.verify(r.text, it.answer) >= 1.0)]
+        kept = []
+        for it, g in zip(items, groups):
+            ok = [(tuple(r.prompt_ids), tuple(r.completion_ids)) for r in g
+                  if r.completion_ids and (not verify or capability.verify(r.text, it.answer) >= 1.0)]
+            if select == "mbr" and ok:
+                ok = [(ok[0][0], mbr_pick([c for _, c in ok]))]
+            kept += ok
         out[cap] = [(list(p), list(c)) for p, c in (dict.fromkeys(kept) if verify else kept)]
     return out
 
 
 def sample_sft_batch(samples: dict[str, list[Sample]], mix: dict[str, float], rng: random.Random,
-                     size: int) -> list[Sample]:
-    """`size` pairs: a capability by `mix` (those with no accepted sample left out), then a pair of it."""
+                     size: int, with_caps: bool = False) -> list[Sample] | list[tuple[str, Sample]]:
+    """`size` pairs: a capability by `mix` (those with no accepted sample left out), then a pair of it;
+    with_caps: (capability, pair), the same draws."""
     caps = [c for c in mix if samples.get(c)]
     chosen = rng.choices(caps, weights=[mix[c] for c in caps], k=size)
-    return [rng.choice(samples[c]) for c in chosen]
+    pairs = [rng.choice(samples[c]) for c in chosen]
+    return list(zip(chosen, pairs)) if with_caps else pairs
+
+
+def main_teachers(teachers: dict[str, Teacher], routes: Routes) -> dict[str, Teacher]:
+    """Capability -> the teacher that samples its warm start (its highest-weight one)."""
+    return {cap: teachers[max(sorted(ts), key=ts.get)] for cap, ts in routes.items()}
+
+
+def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher], pad_id: int,
+            kernel_chunk: int = 1024, layout: Layout = "padded") -> tuple[torch.Tensor, int]:
+    """Word-level distillation on teacher samples (`warmstart_loss: kl`): at every completion token of
+    each pair, the exact KL(student || teacher) over the full vocabulary to its capability's teacher
+    (`teachers`: capability -> Teacher with an in-process model), the per-token target of the `full`
+    OPD estimator, here on the teacher's own samples; mean over each sequence's tokens, then over
+    sequences, as `sft_loss`. Returns (loss, completion tokens)."""
+    missing = sorted({c for c, _ in batch if teachers[c].model is None})
+    if missing:
+        raise OpdError(f"warmstart_loss: kl needs in-process teacher models (the full vocabulary), but the "
+                       f"teacher of {', '.join(missing)} has none: use warmstart_loss: nll")
+    batch = sorted(batch, key=lambda x: x[0])  # stable: each teacher's pairs are consecutive
+    pairs = [pair for _, pair in batch]
+    device = next(policy.parameters()).device
+    prompts, completions = [p for p, _ in pairs], [c for _, c in pairs]
+    laid = lay_out(prompts, completions, pad_id, layout).to(device)
+    h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (N, H), the pairs' tokens in order
+    W = lm_head_weight(policy.lm)
+    kl, at = [], 0
+    for cap in dict.fromkeys(c for c, _ in batch):
+        sub = [pair for c, pair in batch if c == cap]
+        n = sum(len(c) for _, c in sub)
+        model = teachers[cap].model
+        with torch.no_grad():
+            ht = hidden_at(model, lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device))
+        kl.append(reverse_kl(h[at: at + n], W, ht, lm_head_weight(model), chunk_size=kernel_chunk))  # (n,)
+        at += n
+    _, _, cmask, _ = pad_sequences(prompts, completions, pad_id)
+    cmask = cmask.to(device)
+    return sequence_mean_loss(scatter_tokens(torch.cat(kl), cmask), cmask), int(cmask.sum())
 
 
 def sft_loss(policy, batch: list[Sample], pad_id: int, kernel_chunk: int = 1024,
