@@ -212,6 +212,7 @@ def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher
     full vocabulary, from the padded logits by hand, in either layout, pairs of two teachers mixed;
     zero against a teacher equal to the student, and its gradient reaches the student alone."""
     from opd_kernels.chunked import reverse_kl_from_logits
+
     from opd.distill.offpolicy import kd_loss
     from opd.distill.teachers import embedded_teacher
 
@@ -244,3 +245,19 @@ def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher
     kd_loss(policy, batch, teachers, pad, layout="packed")[0].backward()
     assert W.grad is not None and W.grad.abs().sum() > 0
     assert all(p.grad is None for t in teachers.values() for p in t.model.parameters())
+
+
+def test_warm_start_kl_loss_is_refused_without_in_process_teachers(pico_model, tokenizer):
+    """teachers_on: ray holds the teachers in actors: refused in the config, in one message naming
+    the fix; a teacher with no model (a server's) is refused by the loss itself."""
+    from opd.distill.offpolicy import kd_loss
+    from opd.distill.teachers import Teacher
+    from opd.errors import OpdError
+    from opd.rollout import get_engine
+
+    with pytest.raises(ValueError, match="warmstart_loss: kl .* use warmstart_loss: nll"):
+        DistillConfig(teachers_on="ray", warmstart_loss="kl", warmstart_steps=5, sample_ahead=False)
+    DistillConfig(teachers_on="ray", warmstart_loss="nll", warmstart_steps=5, sample_ahead=False)
+    remote = Teacher("t", "count", get_engine("embedded", model=pico_model, tokenizer=tokenizer), None)
+    with pytest.raises(OpdError, match="teacher of count has none"):
+        kd_loss(StudentHidden(pico_model), [("count", (P[0], C[0]))], {"count": remote}, tokenizer.pad_token_id)

@@ -191,6 +191,9 @@ class DistillConfig(BaseModel):
         if self.estimator == "topk" and self.topk is None:
             raise ValueError("estimator 'topk' needs topk: K, the number of the student's most likely tokens "
                              "per position (>= 1)")
+        if self.teachers_on == "ray" and self.warmstart_loss == "kl" and self.warmstart_steps > 0:
+            raise ValueError("warmstart_loss: kl reads each teacher's full distribution in this process; with "
+                             "teachers_on: ray the teachers live in actors: use warmstart_loss: nll or teachers_on: local")
         if self.teachers_on == "ray" and self.sample_ahead and self.sample_worker == "process":
             raise ValueError("teachers_on: ray with sample_ahead needs sample_worker: thread (a forked worker "
                              "cannot call the teachers' Ray actors)")

@@ -250,6 +250,12 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     steps; `progress(state, None)` after each step. Ends with a retention check (with `evaluate_fn`)
     recorded as step 0, fresh Adam moments for OPD, and a checkpoint."""
     cfg, state, opt = run.cfg, run.state, run.opt
+    warm_teachers = main_teachers(teachers, routes)
+    no_model = sorted(c for c, t in warm_teachers.items() if t.model is None)
+    if cfg.warmstart_loss == "kl" and no_model:  # before any sampling
+        raise OpdError(f"warmstart_loss: kl needs in-process teacher models (the full vocabulary), but the "
+                       f"teacher of {', '.join(no_model)} has none (teachers_on: ray, or a server): use "
+                       "warmstart_loss: nll")
     if state.warm_samples is None:
         verify = cfg.verifier != "none"
         state.warm_samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,
@@ -265,7 +271,6 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
                            f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
                            "warmstart_group, or set warmstart_steps: 0")
     run.policy.train()
-    warm_teachers = main_teachers(teachers, routes)
     while state.warm_step < cfg.warmstart_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
