@@ -70,9 +70,10 @@ def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.R
     select "mbr": of each prompt's kept samples, only the one `mbr_pick` chooses (one pair per prompt).
     prefill: how an in-process teacher prefills the prompts (EmbeddedEngine's; the same distribution)."""
     out: dict[str, list[Sample]] = {}
-    for i, (cap, ts) in enumerate(sorted(routes.items())):
+    main = main_teachers(teachers, routes)
+    for i, cap in enumerate(sorted(routes)):
         capability = get_capability(cap)
-        teacher = teachers[max(sorted(ts), key=ts.get)]
+        teacher = main[cap]
         engine = teacher.engine
         if isinstance(engine, EmbeddedEngine) and engine.prefill != prefill:
             engine = EmbeddedEngine(engine.model, engine.tokenizer, engine.batch_size, engine.compact_every, prefill)
