@@ -21,7 +21,14 @@ from opd_kernels import selective_log_softmax
 
 from opd.distill.batch import OpdBatch, minibatches, teacher_outputs
 from opd.distill.config import DistillConfig
-from opd.distill.offpolicy import kd_loss, main_teachers, sample_sft_batch, sft_loss, verified_samples
+from opd.distill.offpolicy import (
+    kd_loss,
+    main_teachers,
+    require_models,
+    sample_sft_batch,
+    sft_loss,
+    verified_samples,
+)
 from opd.distill.routing import Routes, capability_kl, prompt_mix, require_routed
 from opd.distill.sampler import Sampler
 from opd.distill.teachers import Teacher, lm_head_weight
@@ -251,11 +258,8 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     recorded as step 0, fresh Adam moments for OPD, and a checkpoint."""
     cfg, state, opt = run.cfg, run.state, run.opt
     warm_teachers = main_teachers(teachers, routes)
-    no_model = sorted(c for c, t in warm_teachers.items() if t.model is None)
-    if cfg.warmstart_loss == "kl" and no_model:  # before any sampling
-        raise OpdError(f"warmstart_loss: kl needs in-process teacher models (the full vocabulary), but the "
-                       f"teacher of {', '.join(no_model)} has none (teachers_on: ray, or a server): use "
-                       "warmstart_loss: nll")
+    if cfg.warmstart_loss == "kl":  # before any sampling
+        require_models(warm_teachers, warm_teachers)
     if state.warm_samples is None:
         verify = cfg.verifier != "none"
         state.warm_samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,

@@ -107,6 +107,15 @@ def main_teachers(teachers: dict[str, Teacher], routes: Routes) -> dict[str, Tea
     return {cap: teachers[max(sorted(ts), key=ts.get)] for cap, ts in routes.items()}
 
 
+def require_models(teachers: dict[str, Teacher], caps) -> None:
+    """Refuse `warmstart_loss: kl` when a capability in `caps` has no in-process teacher model."""
+    missing = sorted(c for c in caps if teachers[c].model is None)
+    if missing:
+        raise OpdError(f"warmstart_loss: kl needs in-process teacher models (the full vocabulary), but the "
+                       f"teacher of {', '.join(missing)} has none (teachers_on: ray, or a server): use "
+                       "warmstart_loss: nll")
+
+
 def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher], pad_id: int,
             kernel_chunk: int = 1024, layout: Layout = "padded") -> tuple[torch.Tensor, int]:
     """Word-level distillation on teacher samples (`warmstart_loss: kl`): at every completion token of
@@ -114,10 +123,7 @@ def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher
     (`teachers`: capability -> Teacher with an in-process model), the per-token target of the `full`
     OPD estimator, here on the teacher's own samples; mean over each sequence's tokens, then over
     sequences, as `sft_loss`. Returns (loss, completion tokens)."""
-    missing = sorted({c for c, _ in batch if teachers[c].model is None})
-    if missing:
-        raise OpdError(f"warmstart_loss: kl needs in-process teacher models (the full vocabulary), but the "
-                       f"teacher of {', '.join(missing)} has none: use warmstart_loss: nll")
+    require_models(teachers, {c for c, _ in batch})
     batch = sorted(batch, key=lambda x: x[0])  # stable: each teacher's pairs are consecutive
     pairs = [pair for _, pair in batch]
     device = next(policy.parameters()).device
