@@ -215,3 +215,56 @@ def test_warm_start_killed_midway_resumes_to_the_same_weights(tmp_path, trained_
     assert "resuming distillation at step 0" in logs and not any("verified teacher samples" in m for m in logs)
     for k, v in whole.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)
+
+
+def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers(tmp_path, trained_pico_dir,
+                                                                                  tokenizer, monkeypatch):
+    """warmstart_loss kl: within warmstart_cache_mib the teachers score their samples once and no step
+    runs a teacher; at 0 (or over the budget) every step does. The two train the same student to float
+    rounding, and a run killed midway rebuilds the cache and resumes to the uninterrupted weights."""
+    from transformers import AutoModelForCausalLM
+
+    import opd.distill.loop as loop
+    import opd.distill.offpolicy as offpolicy
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+    routes = resolve_routes({"count": "count"})
+    cfg = DistillConfig(estimator="full", steps=0, warmstart_steps=20, warmstart_prompts=16, warmstart_batch=8,
+                        warmstart_loss="kl", verifier="none", checkpoint_every=2, layout="packed")
+    runs, real = {}, offpolicy.hidden_at
+    for budget in (4096, 0):
+        logs, forwards = [], []
+        monkeypatch.setattr(offpolicy, "hidden_at", lambda *a, f=forwards, **k: f.append(1) or real(*a, **k))
+        student = build_model(PICO, tokenizer, seed=0)
+        distill(cfg.model_copy(update={"warmstart_cache_mib": budget}), student, tokenizer, teachers, routes,
+                tmp_path / f"{budget}.pt", log=logs.append)
+        runs[budget] = student.state_dict()
+        if budget:
+            assert any("scored their samples once" in m for m in logs)
+            assert len(forwards) == 1  # 16 prompts x 4 samples: one chunk, before the 20 steps
+        else:
+            assert any("over warmstart_cache_mib 0: each step runs its teachers" in m for m in logs)
+            assert len(forwards) == 20
+    for k, v in runs[4096].items():
+        torch.testing.assert_close(runs[0][k], v, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(offpolicy, "hidden_at", real)
+
+    real_kd, calls = loop.kd_loss, []
+
+    def dies_at_15(*a, **k):
+        calls.append(1)
+        if len(calls) == 15:
+            raise KeyboardInterrupt
+        return real_kd(*a, **k)
+
+    monkeypatch.setattr(loop, "kd_loss", dies_at_15)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, build_model(PICO, tokenizer, seed=0), tokenizer, teachers, routes, tmp_path / "k.pt",
+                log=lambda *_: None)
+    monkeypatch.setattr(loop, "kd_loss", real_kd)
+    logs, resumed = [], build_model(PICO, tokenizer, seed=0)
+    distill(cfg, resumed, tokenizer, teachers, routes, tmp_path / "k.pt", log=logs.append)
+    assert any("scored their samples once" in m for m in logs)
+    for k, v in runs[4096].items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)

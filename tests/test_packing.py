@@ -4,6 +4,7 @@ row per sample, for the student's update, the warm start and the stacked teacher
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -261,3 +262,59 @@ def test_warm_start_kl_loss_is_refused_without_in_process_teachers(pico_model, t
     remote = Teacher("t", "count", get_engine("embedded", model=pico_model, tokenizer=tokenizer), None)
     with pytest.raises(OpdError, match="teacher of count has none"):
         kd_loss(StudentHidden(pico_model), [("count", (P[0], C[0]))], {"count": remote}, tokenizer.pad_token_id)
+
+
+def test_warm_start_kl_from_cached_teacher_logits_equals_the_in_step_teachers(pico_model, tokenizer):
+    """teacher_logits_cache scores every sample once, in chunks (here 2 pairs, so chunks split a
+    capability's samples); kd_loss on the cached logits of any draw gives the loss and the student
+    gradient of running the draw's teachers in the step, in either layout, and runs no teacher."""
+    from opd.distill.offpolicy import cache_bytes, cached_logits, draw_sft, kd_loss, teacher_logits_cache
+    from opd.distill.teachers import embedded_teacher
+
+    pad = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    other = copy.deepcopy(pico_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    teachers = {"count": embedded_teacher("t1", "count", copy.deepcopy(pico_model), tokenizer),
+                "sort": embedded_teacher("t2", "sort", other, tokenizer)}
+    samples = {"count": list(zip(P, C)), "sort": list(zip(P[::-1], C[::-1]))[:3]}
+    V = pico_model.get_output_embeddings().weight.shape[0]
+    assert cache_bytes(samples, V) == 4 * V * (sum(len(c) for c in C) + sum(len(c) for c in C[::-1][:3]))
+    draws = draw_sft(samples, {"count": 1.0, "sort": 2.0}, random.Random(3), 9)
+    batch = [(c, samples[c][i]) for c, i in draws]
+    policy = StudentHidden(pico_model)
+    W = pico_model.get_output_embeddings().weight
+    for layout in ("padded", "packed"):
+        cache = teacher_logits_cache(samples, teachers, pad, layout, chunk=2)
+        assert {c: tuple(f.shape) for c, (f, _) in cache.items()} == {
+            c: (sum(len(x) for _, x in v), V) for c, v in samples.items()}
+        pico_model.zero_grad()
+        want, n = kd_loss(policy, batch, teachers, pad, layout=layout)
+        want.backward()
+        g_want = W.grad.clone()
+        pico_model.zero_grad()
+        broken = {c: None for c in teachers}  # a teacher run here would fail
+        got, m = kd_loss(policy, batch, broken, pad, layout=layout,
+                         teacher_logits=cached_logits(cache, samples, draws))
+        got.backward()
+        assert m == n and float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5) and float(want.detach()) > 1e-4
+        torch.testing.assert_close(W.grad, g_want, rtol=1e-4, atol=1e-6)
+
+
+def test_draw_sft_draws_as_random_choice_did():
+    """draw_sft's indices are the pairs the warm start drew before it returned indices (rng.choice),
+    so seeded warm starts keep their batches."""
+    from opd.distill.offpolicy import draw_sft, sample_sft_batch
+
+    samples = {"a": [([1], [i]) for i in range(7)], "b": [([2], [i]) for i in range(3)], "c": []}
+    mix = {"a": 1.0, "b": 3.0, "c": 1.0}
+    r1, r2 = random.Random(5), random.Random(5)
+    caps = [c for c in mix if samples[c]]
+    chosen = r1.choices(caps, weights=[mix[c] for c in caps], k=20)
+    old = [r1.choice(samples[c]) for c in chosen]
+    assert sample_sft_batch(samples, mix, r2, 20) == old
+    r3 = random.Random(5)
+    assert [samples[c][i] for c, i in draw_sft(samples, mix, r3, 20)] == old
+    assert r1.random() == r2.random() == r3.random()

@@ -22,11 +22,16 @@ from opd_kernels import selective_log_softmax
 from opd.distill.batch import OpdBatch, minibatches, teacher_outputs
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import (
+    TeacherLogits,
+    cache_bytes,
+    cached_logits,
+    draw_sft,
     kd_loss,
     main_teachers,
     require_models,
     sample_sft_batch,
     sft_loss,
+    teacher_logits_cache,
     verified_samples,
 )
 from opd.distill.routing import Routes, capability_kl, prompt_mix, require_routed
@@ -122,7 +127,8 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
 # (e.g. more steps to extend it; not under a cosine schedule, whose every lr depends on `steps`).
 # sample_worker: a thread and a process sample the same batches from the same weights and prompt RNG.
 RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "report_to", "sample_worker",
-                    "teachers_on", "teacher_actors"}  # where teachers score: the same targets to float rounding
+                    "teachers_on", "teacher_actors",  # where teachers score: the same targets to float rounding
+                    "warmstart_cache_mib"}  # when the warm start's teachers score: the same targets too
 # Fields added after runs had checkpoints: left unset they stay out of the identity, so those resume.
 UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_every")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
@@ -251,6 +257,23 @@ class _Run:
             self.save()
 
 
+def _teacher_cache(run: _Run, warm_teachers: dict[str, Teacher], pad_id: int) -> TeacherLogits | None:
+    """The warm-start teachers' logits over all their samples (offpolicy.teacher_logits_cache) when they
+    fit `warmstart_cache_mib`, else None (each step runs its teachers). Not checkpointed: a resumed run
+    recomputes it from the checkpointed samples."""
+    cfg, samples = run.cfg, run.state.warm_samples
+    vocab = lm_head_weight(next(iter(warm_teachers.values())).model).shape[0]
+    mib = cache_bytes(samples, vocab) / 2**20
+    if mib > cfg.warmstart_cache_mib:
+        run.log(f"warm start: the teachers' logits would take {mib:,.0f} MiB, over warmstart_cache_mib "
+                f"{cfg.warmstart_cache_mib}: each step runs its teachers")
+        return None
+    t0 = time.time()
+    cache = teacher_logits_cache(samples, warm_teachers, pad_id, cfg.layout)
+    run.log(f"warm start: the teachers scored their samples once ({mib:,.0f} MiB of logits, {time.time() - t0:.0f} s)")
+    return cache
+
+
 def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: dict[str, float], pad_id: int) -> None:
     """Off-policy distillation before OPD: supervised steps on verified teacher samples, or on all of
     them under verifier: none (see opd.distill.offpolicy), checkpointed every `checkpoint_every * 5`
@@ -274,13 +297,18 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
                            f"teachers' {cfg.warmstart_group} samples "
                            f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
                            "warmstart_group, or set warmstart_steps: 0")
+    cache = None
+    if cfg.warmstart_loss == "kl" and state.warm_step < cfg.warmstart_steps:
+        cache = _teacher_cache(run, warm_teachers, pad_id)
     run.policy.train()
     while state.warm_step < cfg.warmstart_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
         if cfg.warmstart_loss == "kl":
-            batch = sample_sft_batch(state.warm_samples, mix, run.rng, cfg.warmstart_batch, with_caps=True)
-            loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout)
+            draws = draw_sft(state.warm_samples, mix, run.rng, cfg.warmstart_batch)
+            batch = [(c, state.warm_samples[c][i]) for c, i in draws]
+            zt = cached_logits(cache, state.warm_samples, draws) if cache is not None else None
+            loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout, zt)
         else:
             batch = sample_sft_batch(state.warm_samples, mix, run.rng, cfg.warmstart_batch)
             loss, n_tok = sft_loss(run.policy, batch, pad_id, cfg.kernel_chunk, cfg.layout)

@@ -92,14 +92,68 @@ def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.R
     return out
 
 
-def sample_sft_batch(samples: dict[str, list[Sample]], mix: dict[str, float], rng: random.Random,
-                     size: int, with_caps: bool = False) -> list[Sample] | list[tuple[str, Sample]]:
-    """`size` pairs: a capability by `mix` (those with no accepted sample left out), then a pair of it;
-    with_caps: (capability, pair), the same draws."""
+def draw_sft(samples: dict[str, list[Sample]], mix: dict[str, float], rng: random.Random,
+             size: int) -> list[tuple[str, int]]:
+    """`size` draws (capability, index into its samples): a capability by `mix` (those with no accepted
+    sample left out), then one of its pairs uniformly (the random draws of `rng.choice`)."""
     caps = [c for c in mix if samples.get(c)]
     chosen = rng.choices(caps, weights=[mix[c] for c in caps], k=size)
-    pairs = [rng.choice(samples[c]) for c in chosen]
-    return list(zip(chosen, pairs)) if with_caps else pairs
+    return [(c, rng.randrange(len(samples[c]))) for c in chosen]
+
+
+def sample_sft_batch(samples: dict[str, list[Sample]], mix: dict[str, float], rng: random.Random,
+                     size: int, with_caps: bool = False) -> list[Sample] | list[tuple[str, Sample]]:
+    """The pairs of `draw_sft`'s draws; with_caps: (capability, pair)."""
+    pairs = [(c, samples[c][i]) for c, i in draw_sft(samples, mix, rng, size)]
+    return pairs if with_caps else [pair for _, pair in pairs]
+
+
+# capability -> (the teacher's logits at every completion token of its samples, in order: (T, V) float32
+# on the CPU; each sample's first row in it)
+TeacherLogits = dict[str, tuple[torch.Tensor, list[int]]]
+
+
+def cache_bytes(samples: dict[str, list[Sample]], vocab: int) -> int:
+    """Bytes `teacher_logits_cache` would hold: float32 logits at every completion token."""
+    return 4 * vocab * sum(len(c) for pairs in samples.values() for _, c in pairs)
+
+
+@torch.no_grad()
+def teacher_logits_cache(samples: dict[str, list[Sample]], teachers: dict[str, Teacher], pad_id: int,
+                         layout: Layout = "padded", chunk: int = 512) -> TeacherLogits:
+    """Each capability's teacher (`teachers`: capability -> Teacher with an in-process model) scored once
+    over all of its samples, `chunk` pairs per forward: the same logits (to float rounding) that
+    `kd_loss` would compute at each step's few pairs, so the warm start's steps cost the student's
+    forward and backward alone, and the teachers run in large batches. The samples are fixed for the
+    whole warm start (off-policy), so nothing goes stale."""
+    require_models(teachers, [c for c in samples if samples[c]])
+    out: TeacherLogits = {}
+    for cap, pairs in samples.items():
+        if not pairs:
+            continue
+        model = teachers[cap].model
+        device, W = next(model.parameters()).device, lm_head_weight(model).float()
+        parts = []
+        for s in range(0, len(pairs), chunk):
+            sub = pairs[s: s + chunk]
+            rows = lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device)
+            parts.append((hidden_at(model, rows, last_mlp_at_index=True).float() @ W.T).cpu())
+        starts, at = [], 0
+        for _, c in pairs:
+            starts.append(at)
+            at += len(c)
+        out[cap] = (torch.cat(parts), starts)
+    return out
+
+
+def cached_logits(cache: TeacherLogits, samples: dict[str, list[Sample]], draws: list[tuple[str, int]]
+                  ) -> list[torch.Tensor]:
+    """The cached teacher logits of each draw's completion tokens: (len(completion), V) each."""
+    out = []
+    for c, i in draws:
+        flat, starts = cache[c]
+        out.append(flat[starts[i]: starts[i] + len(samples[c][i][1])])
+    return out
 
 
 def main_teachers(teachers: dict[str, Teacher], routes: Routes) -> dict[str, Teacher]:
@@ -117,32 +171,43 @@ def require_models(teachers: dict[str, Teacher], caps) -> None:
 
 
 def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher], pad_id: int,
-            kernel_chunk: int = 1024, layout: Layout = "padded") -> tuple[torch.Tensor, int]:
+            kernel_chunk: int = 1024, layout: Layout = "padded",
+            teacher_logits: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """Word-level distillation on teacher samples (`warmstart_loss: kl`): at every completion token of
     each pair, the exact KL(student || teacher) over the full vocabulary to its capability's teacher
     (`teachers`: capability -> Teacher with an in-process model), the per-token target of the `full`
     OPD estimator, here on the teacher's own samples; mean over each sequence's tokens, then over
-    sequences, as `sft_loss`. Returns (loss, completion tokens)."""
-    require_models(teachers, {c for c, _ in batch})
-    batch = sorted(batch, key=lambda x: x[0])  # stable: each teacher's pairs are consecutive
+    sequences, as `sft_loss`. Returns (loss, completion tokens).
+
+    teacher_logits: each pair's teacher logits at its completion tokens, (len(completion), V) in the
+    order of `batch` (`cached_logits` of a `teacher_logits_cache`); given, no teacher runs here."""
+    if teacher_logits is None:
+        require_models(teachers, {c for c, _ in batch})
+    order = sorted(range(len(batch)), key=lambda j: batch[j][0])  # stable: each teacher's pairs are consecutive
+    batch = [batch[j] for j in order]
     pairs = [pair for _, pair in batch]
     device = next(policy.parameters()).device
     prompts, completions = [p for p, _ in pairs], [c for _, c in pairs]
     laid = lay_out(prompts, completions, pad_id, layout).to(device)
     h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (N, H), the pairs' tokens in order
     W = lm_head_weight(policy.lm)
-    kl, at = [], 0
-    for cap in dict.fromkeys(c for c, _ in batch):
-        sub = [pair for c, pair in batch if c == cap]
-        n = sum(len(c) for _, c in sub)
-        model = teachers[cap].model
-        with torch.no_grad():
-            ht = hidden_at(model, lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device))
-        kl.append(reverse_kl(h[at: at + n], W, ht, lm_head_weight(model), chunk_size=kernel_chunk))  # (n,)
-        at += n
+    if teacher_logits is not None:
+        zt = torch.cat([teacher_logits[j] for j in order]).to(device)  # (N, V)
+        kl = reverse_kl(h, W, teacher_logits=zt, chunk_size=kernel_chunk)
+    else:
+        parts, at = [], 0
+        for cap in dict.fromkeys(c for c, _ in batch):
+            sub = [pair for c, pair in batch if c == cap]
+            n = sum(len(c) for _, c in sub)
+            model = teachers[cap].model
+            with torch.no_grad():
+                ht = hidden_at(model, lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device))
+            parts.append(reverse_kl(h[at: at + n], W, ht, lm_head_weight(model), chunk_size=kernel_chunk))  # (n,)
+            at += n
+        kl = torch.cat(parts)
     _, _, cmask, _ = pad_sequences(prompts, completions, pad_id)
     cmask = cmask.to(device)
-    return sequence_mean_loss(scatter_tokens(torch.cat(kl), cmask), cmask), int(cmask.sum())
+    return sequence_mean_loss(scatter_tokens(kl, cmask), cmask), int(cmask.sum())
 
 
 def sft_loss(policy, batch: list[Sample], pad_id: int, kernel_chunk: int = 1024,
