@@ -1,0 +1,104 @@
+"""The KL warm start's step (`distill.warmstart_loss: kl`) with the teachers' logits cached once
+(`offpolicy.teacher_logits_cache`, the default within `warmstart_cache_mib`) against the same step
+running its pairs' teachers (`warmstart_cache_mib: 0`), and the NLL step as the floor, on the same
+draws of the same teacher samples, in one process.
+
+    python bench/bench_warmstart_kl.py                                   # runs/base, experts/lab10 (twelve)
+    python bench/bench_warmstart_kl.py --threads 1 --batch 128 --steps 40
+
+Each expert samples --prompts training prompts x 4 at temperature 0.3 (the lab12 recipe's warm-start
+settings, fewer prompts); the cache is built once and timed; then the three step kinds run in turn,
+round-robin, --steps times each (the first two of each untimed) on the base student. Prints median wall
+ms per step, the ratios against the in-step teachers, and the cache's seconds per 1,000 samples (the
+lab12 recipe draws 12 x 4096 x 4 samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+LAB12 = ["add", "sub", "mod", "rev", "sort", "count", "max", "shift", "dedup", "digsum", "anagram", "mirror"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="runs/base")
+    ap.add_argument("--experts", default="experts/lab10")
+    ap.add_argument("--prompts", type=int, default=512, help="training prompts per capability its teacher samples")
+    ap.add_argument("--batch", type=int, default=64, help="pairs per step (the recipe's warmstart_batch)")
+    ap.add_argument("--steps", type=int, default=24, help="steps per kind (the first two untimed)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.distill import resolve_routes
+    from opd.distill.loop import StudentHidden
+    from opd.distill.offpolicy import (
+        cached_logits,
+        draw_sft,
+        kd_loss,
+        main_teachers,
+        sft_loss,
+        teacher_logits_cache,
+        verified_samples,
+    )
+    from opd.distill.run import load_teachers
+
+    torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}")
+    tok = AutoTokenizer.from_pretrained(args.base)
+    teachers, _ = load_teachers([f"{args.experts}/{c}" for c in LAB12], tok)
+    routes = resolve_routes({n: t.capability for n, t in teachers.items()})
+    pad = tok.pad_token_id
+    samples = verified_samples(teachers, routes, random.Random(0), prompts=args.prompts, group=4, temperature=0.3,
+                               seed=0, verify=False, prefill="packed")
+    warm = main_teachers(teachers, routes)
+    n_samples = sum(len(v) for v in samples.values())
+    t0 = time.perf_counter()
+    cache = teacher_logits_cache(samples, warm, pad, "packed")
+    cache_s = time.perf_counter() - t0
+    mib = sum(f.numel() * 4 for f, _ in cache.values()) / 2**20
+    print(f"cache: {n_samples} samples, {mib:.0f} MiB, {cache_s:.1f} s ({1000 * cache_s / n_samples:.2f} s per 1,000)")
+
+    student = AutoModelForCausalLM.from_pretrained(args.base, dtype="float32").train()
+    policy = StudentHidden(student)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4, fused=True)
+    mix, rng = {c: 1.0 for c in routes}, random.Random(1)
+
+    def step(kind: str) -> float:
+        draws = draw_sft(samples, mix, rng, args.batch)
+        batch = [(c, samples[c][i]) for c, i in draws]
+        t = time.perf_counter()
+        if kind == "nll":
+            loss, _ = sft_loss(policy, [p for _, p in batch], pad, 1024, "packed")
+        else:
+            zt = cached_logits(cache, samples, draws) if kind == "kl, cached teachers" else None
+            loss, _ = kd_loss(policy, batch, warm, pad, 1024, "packed", zt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t
+
+    kinds = ["kl, in-step teachers", "kl, cached teachers", "nll"]
+    times = {k: [] for k in kinds}
+    for i in range(args.steps):
+        for k in kinds:
+            dt = step(k)
+            if i >= 2:
+                times[k].append(dt)
+    base = statistics.median(times[kinds[0]])
+    print(f"| step ({args.batch} pairs) | ms / step | / in-step teachers |")
+    print("|---|---|---|")
+    for k in kinds:
+        m = statistics.median(times[k])
+        print(f"| {k} | {1000 * m:.0f} | {m / base:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
