@@ -306,7 +306,7 @@ def test_warm_start_kl_from_cached_teacher_logits_equals_the_in_step_teachers(pi
 def test_draw_sft_draws_as_random_choice_did():
     """draw_sft's indices are the pairs the warm start drew before it returned indices (rng.choice),
     so seeded warm starts keep their batches."""
-    from opd.distill.offpolicy import draw_sft, sample_sft_batch
+    from opd.distill.offpolicy import draw_sft
 
     samples = {"a": [([1], [i]) for i in range(7)], "b": [([2], [i]) for i in range(3)], "c": []}
     mix = {"a": 1.0, "b": 3.0, "c": 1.0}
@@ -314,7 +314,34 @@ def test_draw_sft_draws_as_random_choice_did():
     caps = [c for c in mix if samples[c]]
     chosen = r1.choices(caps, weights=[mix[c] for c in caps], k=20)
     old = [r1.choice(samples[c]) for c in chosen]
-    assert sample_sft_batch(samples, mix, r2, 20) == old
-    r3 = random.Random(5)
-    assert [samples[c][i] for c, i in draw_sft(samples, mix, r3, 20)] == old
-    assert r1.random() == r2.random() == r3.random()
+    assert [samples[c][i] for c, i in draw_sft(samples, mix, r2, 20)] == old
+    assert r1.random() == r2.random()
+
+
+def test_draw_sft_groups_draws_whole_prompts_and_packs_each_prompt_once():
+    """warmstart_draws: groups: every drawn prompt comes with all its kept samples, consecutive, until
+    the batch has at least `size` pairs; laid out packed, each prompt is laid out once for them."""
+    from opd.distill.offpolicy import draw_sft, prompt_groups
+    from opd.rl.packing import lay_out
+
+    a = [([1, 2, 3, 4, 5], [10 + i, 30 + g]) for i in range(5) for g in range(4)]  # 5 prompts x 4 samples
+    a = [([1, 2, 3, 4, 5 + i], c) for i, (_, c) in zip([j // 4 for j in range(20)], a)]
+    b = [([7, 8, 9], [40]), ([7, 8, 9], [41]), ([7, 8, 6], [42])]  # prompts with 2 and 1 kept samples
+    samples = {"a": a, "b": b}
+    assert prompt_groups(b) == [range(0, 2), range(2, 3)] and len(prompt_groups(a)) == 5
+    draws = draw_sft(samples, {"a": 1.0, "b": 1.0}, random.Random(0), 16, "groups")
+    assert len(draws) >= 16
+    at = 0
+    while at < len(draws):  # the draws are whole groups, one after another
+        c, i = draws[at]
+        g = next(g for g in prompt_groups(samples[c]) if i in g)
+        assert draws[at: at + len(g)] == [(c, j) for j in g]
+        at += len(g)
+    pairs = [samples[c][i] for c, i in draws]
+    rows = [lay_out([p for p, _ in pairs], [c for _, c in pairs], 0, "packed"),
+            lay_out([p for p, _ in pairs], [c for _, c in pairs], 0, "padded")]
+    starts = [j for j in range(len(pairs)) if j == 0 or pairs[j][0] != pairs[j - 1][0]]
+    assert len(starts) < len(pairs)
+    laid = sum(len(pairs[j][0]) for j in starts) + sum(len(c) - 1 for _, c in pairs)  # each prompt once
+    assert int((rows[0].ids != 0).sum()) == laid
+    assert rows[0].index.numel() == rows[1].index.numel() == sum(len(c) for _, c in pairs)

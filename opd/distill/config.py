@@ -162,6 +162,10 @@ class DistillConfig(BaseModel):
         "each step runs its pairs' teachers (a real vocabulary: 4 bytes x vocab per token)")
     warmstart_lr: float = Field(1e-3, gt=0, description="AdamW lr of the warm start (cosine to lr_min_ratio)")
     warmstart_batch: int = Field(64, gt=0, description="sequences per warm-start step")
+    warmstart_draws: Literal["pairs", "groups"] = Field(
+        "pairs", description="how a warm-start step draws its warmstart_batch sequences: 'pairs' (each a random teacher "
+        "sample) or 'groups' (random prompts, each with all its kept samples, until there are warmstart_batch): with "
+        "layout packed each prompt is then laid out once for its samples, so a step costs fewer tokens")
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)
     seed: int = 0
 

@@ -28,8 +28,8 @@ from opd.distill.offpolicy import (
     draw_sft,
     kd_loss,
     main_teachers,
+    prompt_groups,
     require_models,
-    sample_sft_batch,
     sft_loss,
     teacher_logits_cache,
     verified_samples,
@@ -135,7 +135,7 @@ UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_
 # stay out of the identity too.
 DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability",
                           "domain_balance": "none", "warmstart_select": "all",
-                          "warmstart_loss": "nll"}
+                          "warmstart_loss": "nll", "warmstart_draws": "pairs"}
 
 
 def run_identity(cfg: DistillConfig) -> dict:
@@ -300,18 +300,18 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     cache = None
     if cfg.warmstart_loss == "kl" and state.warm_step < cfg.warmstart_steps:
         cache = _teacher_cache(run, warm_teachers, pad_id)
+    groups = {c: prompt_groups(v) for c, v in state.warm_samples.items()} if cfg.warmstart_draws == "groups" else None
     run.policy.train()
     while state.warm_step < cfg.warmstart_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
+        draws = draw_sft(state.warm_samples, mix, run.rng, cfg.warmstart_batch, cfg.warmstart_draws, groups)
+        batch = [(c, state.warm_samples[c][i]) for c, i in draws]
         if cfg.warmstart_loss == "kl":
-            draws = draw_sft(state.warm_samples, mix, run.rng, cfg.warmstart_batch)
-            batch = [(c, state.warm_samples[c][i]) for c, i in draws]
             zt = cached_logits(cache, state.warm_samples, draws) if cache is not None else None
             loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout, zt)
         else:
-            batch = sample_sft_batch(state.warm_samples, mix, run.rng, cfg.warmstart_batch)
-            loss, n_tok = sft_loss(run.policy, batch, pad_id, cfg.kernel_chunk, cfg.layout)
+            loss, n_tok = sft_loss(run.policy, [pair for _, pair in batch], pad_id, cfg.kernel_chunk, cfg.layout)
         optimizer_step(loss, opt, run.policy.parameters(), cfg.grad_clip, run.backward)
         state.warm_step += 1
         state.warm_tokens += n_tok

@@ -92,20 +92,39 @@ def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.R
     return out
 
 
+Draws = Literal["pairs", "groups"]
+
+
+def prompt_groups(pairs: list[Sample]) -> list[range]:
+    """The runs of consecutive pairs with one prompt (`verified_samples` keeps a prompt's samples
+    together): each prompt's kept samples, as index ranges."""
+    out, start = [], 0
+    for i in range(1, len(pairs) + 1):
+        if i == len(pairs) or list(pairs[i][0]) != list(pairs[start][0]):
+            out.append(range(start, i))
+            start = i
+    return out
+
+
 def draw_sft(samples: dict[str, list[Sample]], mix: dict[str, float], rng: random.Random,
-             size: int) -> list[tuple[str, int]]:
-    """`size` draws (capability, index into its samples): a capability by `mix` (those with no accepted
-    sample left out), then one of its pairs uniformly (the random draws of `rng.choice`)."""
+             size: int, draws: Draws = "pairs", groups: dict[str, list[range]] | None = None
+             ) -> list[tuple[str, int]]:
+    """Draws (capability, index into its samples), each from a capability by `mix` (those with no
+    accepted sample left out). "pairs": `size` pairs, each uniform over the capability's pairs (the
+    random draws of `rng.choice`). "groups": whole prompts, each with all its kept samples (uniform over
+    the capability's prompts; `groups`: its `prompt_groups`, computed when not given), until there are
+    at least `size` pairs: a packed layout then lays each prompt out once for its samples."""
     caps = [c for c in mix if samples.get(c)]
-    chosen = rng.choices(caps, weights=[mix[c] for c in caps], k=size)
-    return [(c, rng.randrange(len(samples[c]))) for c in chosen]
-
-
-def sample_sft_batch(samples: dict[str, list[Sample]], mix: dict[str, float], rng: random.Random,
-                     size: int, with_caps: bool = False) -> list[Sample] | list[tuple[str, Sample]]:
-    """The pairs of `draw_sft`'s draws; with_caps: (capability, pair)."""
-    pairs = [(c, samples[c][i]) for c, i in draw_sft(samples, mix, rng, size)]
-    return pairs if with_caps else [pair for _, pair in pairs]
+    weights = [mix[c] for c in caps]
+    if draws == "pairs":
+        chosen = rng.choices(caps, weights=weights, k=size)
+        return [(c, rng.randrange(len(samples[c]))) for c in chosen]
+    groups = groups or {c: prompt_groups(samples[c]) for c in caps}
+    out: list[tuple[str, int]] = []
+    while len(out) < size:
+        c = rng.choices(caps, weights=weights)[0]
+        out += [(c, i) for i in rng.choice(groups[c])]
+    return out
 
 
 # capability -> (the teacher's logits at every completion token of its samples, in order: (T, V) float32
