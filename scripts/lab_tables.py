@@ -51,7 +51,7 @@ def main(argv=None):
     for d in args.merge:
         merge_table(Path(d))
     for d in args.distill:
-        distill_table(Path(d))
+        distill_table(Path(d), base)
     if not experts:
         return
     print("\n### Experts vs base vs SFT control (own capability, test split)\n")
@@ -106,26 +106,43 @@ def merge_table(run: Path) -> None:
                                                        for c in caps) + f" | {worst:.2f} |")
 
 
-def distill_table(run: Path) -> None:
+def distill_table(run: Path, base_scores: dict) -> None:
+    """A distillation output on the test split against its teachers, with the report's headline
+    measures (opd.merge.headline): retention and gain kept per capability, their minima over the
+    capabilities whose expert beats the base by 2 stderr, and each shortfall's z."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.evaluation.api import evaluate
     from opd.manifest import load_manifest, resolve_expert
+    from opd.merge.headline import capability_rows, minima
 
     mf = json.loads((run / "manifest.json").read_text())
     teachers = {n: load_manifest(resolve_expert(t["path"])) for n, t in mf["inputs"]["teachers"].items()}
     caps = [t.capability for t in teachers.values()]
     model = AutoModelForCausalLM.from_pretrained(run)
     scores = evaluate(model, AutoTokenizer.from_pretrained(run), caps, "test", model_hash=mf["content_hash"])
-    print(f"\n### On-policy distillation `{run}` ({mf['train']['steps']} steps, {mf['train']['gen_tokens']} student "
-          f"tokens, {mf['train']['seconds'] / 60:.1f} min), test split\n")
-    print("| capability | expert | OPD student | retention |\n|---|---|---|---|")
-    rets = []
+    cells = []
     for t in teachers.values():
-        e, s = t.own_score("test"), scores[t.capability].score
-        rets.append(s / e)
-        print(f"| {t.capability} | {e:.3f} | {s:.3f} | {s / e:.2f} |")
-    print(f"\nminimum retention {min(rets):.2f}")
+        c, own = t.capability, t.metrics["test"][t.capability]
+        cells += [{"candidate": "student", "capability": c, "score": scores[c].score, "stderr": scores[c].stderr,
+                   "retention": scores[c].score / own.score},
+                  {"candidate": f"expert {c}", "capability": c, "score": own.score, "stderr": own.stderr},
+                  {"candidate": "base", "capability": c, "score": base_scores[c].score, "stderr": base_scores[c].stderr}]
+    rows = capability_rows(cells, "student", {t.capability: f"expert {t.capability}" for t in teachers.values()})
+    train = mf["train"]
+    print(f"\n### Distillation `{run}` ({train['steps']} OPD steps, kept step {train['kept_step']}, "
+          f"{train['gen_tokens']} sampled student tokens, {train['seconds'] / 60:.1f} min), test split\n")
+    print("| capability | base | expert | student | retention | gain kept | z vs expert |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        kept = "-" if r.gain_kept is None else f"{r.gain_kept:.2f}"
+        print(f"| {r.capability} | {r.base:.3f} | {r.expert:.3f} | {r.model:.3f} | {r.retention:.2f} | {kept} | "
+              f"{r.vs_expert_z:+.1f} |")
+    m = minima(rows)
+    gain = "-" if m["min_gain_kept"] is None else f"{m['min_gain_kept']:.2f} ({m['weakest_gain']})"
+    print(f"\nover the {m['gain_capabilities']} of {m['capabilities']} capabilities whose expert beats the base by "
+          f"2 stderr: min retention {m['min_retention']:.2f} ({m['weakest']}, z {m['weakest_z']:+.1f}), mean "
+          f"{m['mean_retention']:.2f}, min gain kept {gain}, lost for certain: "
+          + (", ".join(f"{c} (z {z:+.1f})" for c, z in m["losses"]) or "none"))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ student trains on every sample its teachers drew, sequence-level knowledge disti
 other samples of that prompt (minimum Bayes risk selection, Kumar & Byrne 2004; as a distillation target,
 Finkelstein et al. 2023, "MBR and QE Finetuning"): a consensus over the teacher's own samples, which
 reads no reward and needs no answer format (the utility is a similarity of token sequences).
+
+With `loss: kl` (`kd_loss`, word-level KD) each token's target is the teacher's whole distribution. The
+samples are fixed for the whole warm start, so `teacher_logits_cache` scores each teacher over all of its
+samples once, in large batches, where they fit in memory, and a step then runs the student alone.
 """
 
 from __future__ import annotations
