@@ -183,6 +183,19 @@ def test_steps_and_warmstart_both_zero_is_refused():
         DistillConfig(steps=0)
 
 
+def _dies_at_call(n: int, real):
+    """`real`, but its n-th call raises KeyboardInterrupt (a kill in the middle of a warm start)."""
+    calls = []
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    return wrapped
+
+
 def test_warm_start_killed_midway_resumes_to_the_same_weights(tmp_path, trained_pico_dir, tokenizer, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -196,15 +209,8 @@ def test_warm_start_killed_midway_resumes_to_the_same_weights(tmp_path, trained_
     whole = build_model(PICO, tokenizer, seed=0)
     distill(cfg, whole, tokenizer, teachers, routes, tmp_path / "a.pt", log=lambda *_: None)
 
-    real, calls = loop.sft_loss, []
-
-    def dies_at_15(*a, **k):
-        calls.append(1)
-        if len(calls) == 15:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(loop, "sft_loss", dies_at_15)
+    real = loop.sft_loss
+    monkeypatch.setattr(loop, "sft_loss", _dies_at_call(15, real))
     killed = build_model(PICO, tokenizer, seed=0)
     with pytest.raises(KeyboardInterrupt):
         distill(cfg, killed, tokenizer, teachers, routes, tmp_path / "b.pt", log=lambda *_: None)
@@ -250,15 +256,8 @@ def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers
         torch.testing.assert_close(runs[0][k], v, rtol=1e-4, atol=1e-5)
     monkeypatch.setattr(offpolicy, "hidden_at", real)
 
-    real_kd, calls = loop.kd_loss, []
-
-    def dies_at_15(*a, **k):
-        calls.append(1)
-        if len(calls) == 15:
-            raise KeyboardInterrupt
-        return real_kd(*a, **k)
-
-    monkeypatch.setattr(loop, "kd_loss", dies_at_15)
+    real_kd = loop.kd_loss
+    monkeypatch.setattr(loop, "kd_loss", _dies_at_call(15, real_kd))
     with pytest.raises(KeyboardInterrupt):
         distill(cfg, build_model(PICO, tokenizer, seed=0), tokenizer, teachers, routes, tmp_path / "k.pt",
                 log=lambda *_: None)

@@ -208,6 +208,19 @@ def test_row_width_packs_no_more_positions_than_a_fixed_width():
         assert all(f <= S for f in fill) and len(set(place)) == len(size)
 
 
+def _count_and_sort_teachers(pico_model, tokenizer) -> dict:
+    """Two in-process teachers: count, a copy of the student; sort, the student perturbed (seeded)."""
+    from opd.distill.teachers import embedded_teacher
+
+    torch.manual_seed(0)
+    other = copy.deepcopy(pico_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return {"count": embedded_teacher("t1", "count", copy.deepcopy(pico_model), tokenizer),
+            "sort": embedded_teacher("t2", "sort", other, tokenizer)}
+
+
 def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher(pico_model, tokenizer):
     """warmstart_loss: kl: every completion token's KL(student || its capability's teacher) over the
     full vocabulary, from the padded logits by hand, in either layout, pairs of two teachers mixed;
@@ -215,16 +228,9 @@ def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher
     from opd_kernels.chunked import reverse_kl_from_logits
 
     from opd.distill.offpolicy import kd_loss
-    from opd.distill.teachers import embedded_teacher
 
     pad = tokenizer.pad_token_id
-    torch.manual_seed(0)
-    other = copy.deepcopy(pico_model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    teachers = {"count": embedded_teacher("t1", "count", copy.deepcopy(pico_model), tokenizer),
-                "sort": embedded_teacher("t2", "sort", other, tokenizer)}
+    teachers = _count_and_sort_teachers(pico_model, tokenizer)
     caps = ["sort", "count", "sort", "count", "count", "sort"]
     batch = list(zip(caps, zip(P, C)))
     policy = StudentHidden(pico_model)
@@ -269,16 +275,9 @@ def test_warm_start_kl_from_cached_teacher_logits_equals_the_in_step_teachers(pi
     capability's samples); kd_loss on the cached logits of any draw gives the loss and the student
     gradient of running the draw's teachers in the step, in either layout, and runs no teacher."""
     from opd.distill.offpolicy import cache_bytes, cached_logits, draw_sft, kd_loss, teacher_logits_cache
-    from opd.distill.teachers import embedded_teacher
 
     pad = tokenizer.pad_token_id
-    torch.manual_seed(0)
-    other = copy.deepcopy(pico_model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    teachers = {"count": embedded_teacher("t1", "count", copy.deepcopy(pico_model), tokenizer),
-                "sort": embedded_teacher("t2", "sort", other, tokenizer)}
+    teachers = _count_and_sort_teachers(pico_model, tokenizer)
     samples = {"count": list(zip(P, C)), "sort": list(zip(P[::-1], C[::-1]))[:3]}
     V = pico_model.get_output_embeddings().weight.shape[0]
     assert cache_bytes(samples, V) == 4 * V * (sum(len(c) for c in C) + sum(len(c) for c in C[::-1][:3]))
