@@ -77,7 +77,7 @@ def main() -> int:
         if kind == "nll":
             loss, _ = sft_loss(policy, [p for _, p in batch], pad, 1024, "packed")
         else:
-            zt = cached_logits(cache, samples, draws) if kind == "kl, cached teachers" else None
+            zt = cached_logits(cache, draws) if kind == "kl, cached teachers" else None
             loss, _ = kd_loss(policy, batch, warm, pad, 1024, "packed", zt)
         loss.backward()
         opt.step()

@@ -51,7 +51,7 @@ def main(argv=None):
     for d in args.merge:
         merge_table(Path(d))
     for d in args.distill:
-        distill_table(Path(d), Path(args.base))
+        distill_table(Path(d), model, tok, base_mf["content_hash"])
     if not experts:
         return
     print("\n### Experts vs base vs SFT control (own capability, test split)\n")
@@ -106,7 +106,7 @@ def merge_table(run: Path) -> None:
                                                        for c in caps) + f" | {worst:.2f} |")
 
 
-def distill_table(run: Path, base_dir: Path) -> None:
+def distill_table(run: Path, base_model, base_tok, base_hash: str) -> None:
     """A distillation output on the test split against its teachers, with the report's headline
     measures (opd.merge.headline): retention and gain kept per capability, their minima over the
     capabilities whose expert beats the base by 2 stderr, and each shortfall's z."""
@@ -121,9 +121,7 @@ def distill_table(run: Path, base_dir: Path) -> None:
     caps = [t.capability for t in teachers.values()]
     model = AutoModelForCausalLM.from_pretrained(run)
     scores = evaluate(model, AutoTokenizer.from_pretrained(run), caps, "test", model_hash=mf["content_hash"])
-    base_hash = json.loads((base_dir / "manifest.json").read_text())["content_hash"]
-    base_scores = evaluate(AutoModelForCausalLM.from_pretrained(base_dir), AutoTokenizer.from_pretrained(base_dir),
-                           caps, "test", model_hash=base_hash)  # the teachers' capabilities, cached
+    base_scores = evaluate(base_model, base_tok, caps, "test", model_hash=base_hash)  # the teachers' capabilities
     cells = []
     for t in teachers.values():
         c, own = t.capability, t.metrics["test"][t.capability]

@@ -296,7 +296,7 @@ def test_warm_start_kl_from_cached_teacher_logits_equals_the_in_step_teachers(pi
         pico_model.zero_grad()
         broken = {c: None for c in teachers}  # a teacher run here would fail
         got, m = kd_loss(policy, batch, broken, pad, layout=layout,
-                         teacher_logits=cached_logits(cache, samples, draws))
+                         teacher_logits=cached_logits(cache, draws))
         got.backward()
         assert m == n and float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5) and float(want.detach()) > 1e-4
         torch.testing.assert_close(W.grad, g_want, rtol=1e-4, atol=1e-6)

@@ -308,7 +308,7 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         draws = draw_sft(state.warm_samples, mix, run.rng, cfg.warmstart_batch, cfg.warmstart_draws, groups)
         batch = [(c, state.warm_samples[c][i]) for c, i in draws]
         if cfg.warmstart_loss == "kl":
-            zt = cached_logits(cache, state.warm_samples, draws) if cache is not None else None
+            zt = cached_logits(cache, draws) if cache is not None else None
             loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout, zt)
         else:
             loss, n_tok = sft_loss(run.policy, [pair for _, pair in batch], pad_id, cfg.kernel_chunk, cfg.layout)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from difflib import SequenceMatcher
+from itertools import accumulate, groupby
 from typing import Literal
 
 import torch
@@ -102,12 +103,8 @@ Draws = Literal["pairs", "groups"]
 def prompt_groups(pairs: list[Sample]) -> list[range]:
     """The runs of consecutive pairs with one prompt (`verified_samples` keeps a prompt's samples
     together): each prompt's kept samples, as index ranges."""
-    out, start = [], 0
-    for i in range(1, len(pairs) + 1):
-        if i == len(pairs) or list(pairs[i][0]) != list(pairs[start][0]):
-            out.append(range(start, i))
-            start = i
-    return out
+    runs = groupby(range(len(pairs)), key=lambda i: tuple(pairs[i][0]))
+    return [range(ix[0], ix[-1] + 1) for ix in (list(g) for _, g in runs)]
 
 
 def draw_sft(samples: dict[str, list[Sample]], mix: dict[str, float], rng: random.Random,
@@ -132,7 +129,7 @@ def draw_sft(samples: dict[str, list[Sample]], mix: dict[str, float], rng: rando
 
 
 # capability -> (the teacher's logits at every completion token of its samples, in order: (T, V) float32
-# on the CPU; each sample's first row in it)
+# on the CPU; the row offsets of its samples, one more than samples: sample i is rows offsets[i]:offsets[i+1])
 TeacherLogits = dict[str, tuple[torch.Tensor, list[int]]]
 
 
@@ -161,22 +158,13 @@ def teacher_logits_cache(samples: dict[str, list[Sample]], teachers: dict[str, T
             sub = pairs[s: s + chunk]
             rows = lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device)
             parts.append((hidden_at(model, rows, last_mlp_at_index=True).float() @ W.T).cpu())
-        starts, at = [], 0
-        for _, c in pairs:
-            starts.append(at)
-            at += len(c)
-        out[cap] = (torch.cat(parts), starts)
+        out[cap] = (torch.cat(parts), list(accumulate((len(c) for _, c in pairs), initial=0)))
     return out
 
 
-def cached_logits(cache: TeacherLogits, samples: dict[str, list[Sample]], draws: list[tuple[str, int]]
-                  ) -> list[torch.Tensor]:
+def cached_logits(cache: TeacherLogits, draws: list[tuple[str, int]]) -> list[torch.Tensor]:
     """The cached teacher logits of each draw's completion tokens: (len(completion), V) each."""
-    out = []
-    for c, i in draws:
-        flat, starts = cache[c]
-        out.append(flat[starts[i]: starts[i] + len(samples[c][i][1])])
-    return out
+    return [cache[c][0][cache[c][1][i]: cache[c][1][i + 1]] for c, i in draws]
 
 
 def main_teachers(teachers: dict[str, Teacher], routes: Routes) -> dict[str, Teacher]:
