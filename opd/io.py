@@ -177,6 +177,13 @@ def previous_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint written with `keep_previous` and its previous version."""
+    path = Path(path)
+    for p in (path, previous_path(path)):
+        p.unlink(missing_ok=True)
+
+
 def torn_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.torn{path.suffix}")
 

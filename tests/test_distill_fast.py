@@ -11,7 +11,7 @@ import torch
 from opd.distill.batch import build_batch, teacher_outputs
 from opd.distill.config import DistillConfig
 from opd.distill.loop import distill
-from opd.distill.offpolicy import verified_samples
+from opd.distill.offpolicy import pack_samples, unpack_samples, verified_samples
 from opd.distill.routing import resolve_routes
 from opd.distill.teacher_bank import TeacherBank, check_same_architecture
 from opd.distill.teachers import completion_hidden, embedded_teacher, lm_head_weight
@@ -221,6 +221,50 @@ def test_warm_start_killed_midway_resumes_to_the_same_weights(tmp_path, trained_
     assert "resuming distillation at step 0" in logs and not any("verified teacher samples" in m for m in logs)
     for k, v in whole.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)
+
+
+def test_warm_start_checkpoints_hold_the_samples_as_tensors_until_it_ends(tmp_path, trained_pico_dir, tokenizer,
+                                                                          monkeypatch):
+    """A warm start's checkpoints carry its samples packed (three int32 tensors per capability, not
+    10^5 pickled lists: a save's cost at the lab12 recipe's size went 1 s -> 25 ms), they unpack to the
+    samples it trains on, and once it ends the checkpoints drop them."""
+    from transformers import AutoModelForCausalLM
+
+    import opd.distill.loop as loop
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+    routes = resolve_routes({"count": "count"})
+    cfg = DistillConfig(estimator="full", steps=1, prompts_per_step=4, group_size=1, warmstart_steps=20,
+                        warmstart_prompts=16, warmstart_batch=8, checkpoint_every=2)
+    seen, real = [], loop.sft_loss
+
+    def recording(policy, batch, *a, **k):
+        seen.extend(batch)
+        return real(policy, batch, *a, **k)
+
+    monkeypatch.setattr(loop, "sft_loss", _dies_at_call(15, recording))
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, build_model(PICO, tokenizer, seed=0), tokenizer, teachers, routes, tmp_path / "s.pt",
+                log=lambda *_: None)
+    packed = torch.load(tmp_path / "s.pt", weights_only=True)["state"]["warm_samples"]
+    assert set(packed["count"]) == {"tokens", "prompt_len", "completion_len"}
+    assert all(t.dtype == torch.int32 for t in packed["count"].values())
+    samples = unpack_samples(packed)["count"]
+    assert seen and all(pair in samples for pair in seen)  # what it trained on, as lists of ids
+    assert sum(len(p) + len(c) for p, c in samples) == packed["count"]["tokens"].numel()
+    monkeypatch.setattr(loop, "sft_loss", real)
+    distill(cfg, build_model(PICO, tokenizer, seed=0), tokenizer, teachers, routes, tmp_path / "s.pt",
+            log=lambda *_: None)
+    assert torch.load(tmp_path / "s.pt", weights_only=True)["state"]["warm_samples"] is None
+
+
+def test_packed_samples_round_trip_and_older_checkpoints_lists_still_load():
+    samples = {"a": [([1, 2, 3], [4]), ([5], [6, 7]), ([1, 2, 3], [4])], "b": []}
+    packed = pack_samples(samples)
+    assert packed["a"]["tokens"].tolist() == [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4] and packed["b"]["tokens"].numel() == 0
+    assert unpack_samples(packed) == samples
+    assert unpack_samples(samples) == samples  # a checkpoint from before the packing
 
 
 def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers(tmp_path, trained_pico_dir,

@@ -105,4 +105,5 @@ def test_killed_opd_trial_resumes_from_its_checkpoint(tmp_path):
     (trial,) = summary["trials"]
     assert trial["number"] == 1 and trial["resume_of"] == 0 and trial["candidate"]["seed"] == 0
     assert [h["step"] for h in trial["opd_history"]] == list(range(1, killed_at + 2))
-    assert not ckpt.exists() and ckpt.with_name("student.safetensors").exists()
+    assert ckpt.with_name("student.safetensors").exists()
+    assert not ckpt.exists() and not ckpt.with_name("state.prev.pt").exists()  # both versions go

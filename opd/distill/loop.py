@@ -22,16 +22,19 @@ from opd_kernels import selective_log_softmax
 from opd.distill.batch import OpdBatch, minibatches, teacher_outputs
 from opd.distill.config import DistillConfig
 from opd.distill.offpolicy import (
+    Sample,
     TeacherLogits,
     cache_bytes,
     cached_logits,
     draw_sft,
     kd_loss,
     main_teachers,
+    pack_samples,
     prompt_groups,
     require_models,
     sft_loss,
     teacher_logits_cache,
+    unpack_samples,
     verified_samples,
 )
 from opd.distill.routing import Routes, capability_kl, prompt_mix, require_routed
@@ -59,7 +62,7 @@ class DistillState:
     best_step: int = 0
     best_model: dict | None = None
     # Off-policy warm start: steps done, the verified teacher samples it trains on (kept for a
-    # resume), and the completion tokens it trained on.
+    # resume until it ends, as offpolicy.pack_samples' tensors), and the completion tokens it trained on.
     warm_step: int = 0
     warm_samples: dict | None = None
     warm_tokens: int = 0
@@ -257,11 +260,12 @@ class _Run:
             self.save()
 
 
-def _teacher_cache(run: _Run, warm_teachers: dict[str, Teacher], pad_id: int) -> TeacherLogits | None:
+def _teacher_cache(run: _Run, samples: dict[str, list[Sample]], warm_teachers: dict[str, Teacher],
+                   pad_id: int) -> TeacherLogits | None:
     """The warm-start teachers' logits over all their samples (offpolicy.teacher_logits_cache) when they
     fit `warmstart_cache_mib`, else None (each step runs its teachers). Not checkpointed: a resumed run
     recomputes it from the checkpointed samples."""
-    cfg, samples = run.cfg, run.state.warm_samples
+    cfg = run.cfg
     vocab = lm_head_weight(next(iter(warm_teachers.values())).model).shape[0]
     mib = cache_bytes(samples, vocab) / 2**20
     if mib > cfg.warmstart_cache_mib:
@@ -285,28 +289,31 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         require_models(warm_teachers, warm_teachers)
     if state.warm_samples is None:
         verify = cfg.verifier != "none"
-        state.warm_samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,
-                                              group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
-                                              seed=cfg.seed + run.ranks.rank, verify=verify, prefill=cfg.layout,
-                                              select=cfg.warmstart_select)
+        samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,
+                                   group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
+                                   seed=cfg.seed + run.ranks.rank, verify=verify, prefill=cfg.layout,
+                                   select=cfg.warmstart_select)
         run.log(f"warm start: {'verified' if verify else 'unfiltered'} teacher samples"
                 + (" (MBR: one per prompt) " if cfg.warmstart_select == "mbr" else " ")
-                + " ".join(f"{c}={len(v)}" for c, v in state.warm_samples.items()))
-        if not any(state.warm_samples.values()):
+                + " ".join(f"{c}={len(v)}" for c, v in samples.items()))
+        if not any(samples.values()):
             raise OpdError(f"warm start: {'the verifier accepted none' if verify else 'no non-empty one'} of the "
                            f"teachers' {cfg.warmstart_group} samples "
                            f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
                            "warmstart_group, or set warmstart_steps: 0")
+    else:  # resumed
+        samples = unpack_samples(state.warm_samples)
+    state.warm_samples = pack_samples(samples)  # what each checkpoint saves (tensors, not 10^5 lists)
     cache = None
     if cfg.warmstart_loss == "kl" and state.warm_step < cfg.warmstart_steps:
-        cache = _teacher_cache(run, warm_teachers, pad_id)
-    groups = {c: prompt_groups(v) for c, v in state.warm_samples.items()} if cfg.warmstart_draws == "groups" else None
+        cache = _teacher_cache(run, samples, warm_teachers, pad_id)
+    groups = {c: prompt_groups(v) for c, v in samples.items()} if cfg.warmstart_draws == "groups" else None
     run.policy.train()
     while state.warm_step < cfg.warmstart_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
-        draws = draw_sft(state.warm_samples, mix, run.rng, cfg.warmstart_batch, cfg.warmstart_draws, groups)
-        batch = [(c, state.warm_samples[c][i]) for c, i in draws]
+        draws = draw_sft(samples, mix, run.rng, cfg.warmstart_batch, cfg.warmstart_draws, groups)
+        batch = [(c, samples[c][i]) for c, i in draws]
         if cfg.warmstart_loss == "kl":
             zt = cached_logits(cache, draws) if cache is not None else None
             loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout, zt)
@@ -330,6 +337,7 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     run.tracker.log(rec, 0)
     if run.backward is None:
         opt.state.clear()  # OPD starts with fresh Adam moments (the SFT gradients' scale differs)
+    state.warm_samples = None  # done with: OPD's checkpoints need not carry them
     run.save()
 
 

@@ -97,6 +97,36 @@ def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.R
     return out
 
 
+PackedSamples = dict[str, dict[str, torch.Tensor]]
+
+
+def pack_samples(samples: dict[str, list[Sample]]) -> PackedSamples:
+    """The samples as a checkpoint holds them: per capability, every pair's prompt and completion
+    tokens end to end, and their lengths, as three int32 tensors. A checkpoint saves and loads these as
+    tensors, where the same samples as Python lists are unpickled item by item (the lab12 recipe's
+    196,608 pairs: 1 s a save against 25 ms, and 4 s a load)."""
+    out: PackedSamples = {}
+    for cap, pairs in samples.items():
+        out[cap] = {"tokens": torch.tensor([t for p, c in pairs for t in (*p, *c)], dtype=torch.int32),
+                    "prompt_len": torch.tensor([len(p) for p, _ in pairs], dtype=torch.int32),
+                    "completion_len": torch.tensor([len(c) for _, c in pairs], dtype=torch.int32)}
+    return out
+
+
+def unpack_samples(packed: PackedSamples | dict[str, list[Sample]]) -> dict[str, list[Sample]]:
+    """`pack_samples`' samples as (prompt, completion) lists again; a checkpoint written before the
+    samples were packed holds the lists themselves, which come back as they are."""
+    out: dict[str, list[Sample]] = {}
+    for cap, d in packed.items():
+        if isinstance(d, list):
+            out[cap] = d
+            continue
+        tokens, pl, cl = d["tokens"].tolist(), d["prompt_len"].tolist(), d["completion_len"].tolist()
+        starts = accumulate((a + b for a, b in zip(pl, cl)), initial=0)
+        out[cap] = [(tokens[s: s + a], tokens[s + a: s + a + b]) for s, a, b in zip(starts, pl, cl)]
+    return out
+
+
 Draws = Literal["pairs", "groups"]
 
 

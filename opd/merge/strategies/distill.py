@@ -30,7 +30,7 @@ from opd.distill.routing import resolve_routes
 from opd.distill.student import train_student
 from opd.distill.teachers import embedded_teacher
 from opd.errors import OpdError
-from opd.io import atomic_save_safetensors, atomic_write_json, exclusive_dir
+from opd.io import atomic_save_safetensors, atomic_write_json, exclusive_dir, remove_checkpoint
 from opd.merge.strategies.base import RUNS_DIR, BuildContext, MergeInputs, ModelCard, Strategy, get_strategy
 from opd.tracking import open_tracker, tracking_dir
 from opd.weights.merge import Candidate, merge_keys, mergekit_config, methods
@@ -200,7 +200,7 @@ def opd_student(inputs: MergeInputs, cand: Candidate, distill_cfg: DistillConfig
 def _trained(trial_dir: Path) -> tuple[dict, list[dict]]:
     """The finished student and its history. A kill between their writes and the checkpoint's removal
     left the checkpoint: nothing resumes from it once both are written, so it goes now."""
-    (trial_dir / "state.pt").unlink(missing_ok=True)
+    remove_checkpoint(trial_dir / "state.pt")
     history = json.loads((trial_dir / "history.json").read_text())
     return safetensors.torch.load_file(trial_dir / "student.safetensors"), history
 
@@ -235,5 +235,5 @@ def _train_student(inputs, cand, distill_cfg, name, init_sd, trial_dir: Path, ev
     # history last: the pair is complete only once both exist, and each lands whole
     atomic_save_safetensors(sd, weights_file)
     atomic_write_json(history_file, state.history)
-    (trial_dir / "state.pt").unlink(missing_ok=True)
+    remove_checkpoint(trial_dir / "state.pt")
     return sd, state.history
