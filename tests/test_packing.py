@@ -278,17 +278,19 @@ def test_warm_start_kl_from_cached_teacher_logits_equals_the_in_step_teachers(pi
 
     pad = tokenizer.pad_token_id
     teachers = _count_and_sort_teachers(pico_model, tokenizer)
-    samples = {"count": list(zip(P, C)), "sort": list(zip(P[::-1], C[::-1]))[:3]}
+    # sort's first pair twice (a teacher near its mode repeats itself): its logits are cached once
+    samples = {"count": list(zip(P, C)), "sort": list(zip(P[::-1], C[::-1]))[:3] + [(P[-1], C[-1])]}
     V = pico_model.get_output_embeddings().weight.shape[0]
     assert cache_bytes(samples, V) == 4 * V * (sum(len(c) for c in C) + sum(len(c) for c in C[::-1][:3]))
-    draws = draw_sft(samples, {"count": 1.0, "sort": 2.0}, random.Random(3), 9)
+    draws = draw_sft(samples, {"count": 1.0, "sort": 2.0}, random.Random(3), 9) + [("sort", 3)]
     batch = [(c, samples[c][i]) for c, i in draws]
     policy = StudentHidden(pico_model)
     W = pico_model.get_output_embeddings().weight
     for layout in ("padded", "packed"):
         cache = teacher_logits_cache(samples, teachers, pad, layout, chunk=2)
-        assert {c: tuple(f.shape) for c, (f, _) in cache.items()} == {
-            c: (sum(len(x) for _, x in v), V) for c, v in samples.items()}
+        assert {c: tuple(f.shape) for c, (f, _, _) in cache.items()} == {
+            c: (sum(len(x) for _, x in v[:len(P) if c == "count" else 3]), V) for c, v in samples.items()}
+        assert cache["sort"][2] == [0, 1, 2, 0]
         pico_model.zero_grad()
         want, n = kd_loss(policy, batch, teachers, pad, layout=layout)
         want.backward()

@@ -274,7 +274,9 @@ def _teacher_cache(run: _Run, samples: dict[str, list[Sample]], warm_teachers: d
         return None
     t0 = time.time()
     cache = teacher_logits_cache(samples, warm_teachers, pad_id, cfg.layout)
-    run.log(f"warm start: the teachers scored their samples once ({mib:,.0f} MiB of logits, {time.time() - t0:.0f} s)")
+    n = sum(max(which) + 1 for _, _, which in cache.values())
+    run.log(f"warm start: the teachers scored their {n:,} distinct samples once ({mib:,.0f} MiB of logits, "
+            f"{time.time() - t0:.0f} s)")
     return cache
 
 
