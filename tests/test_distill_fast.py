@@ -223,6 +223,40 @@ def test_warm_start_killed_midway_resumes_to_the_same_weights(tmp_path, trained_
         torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)
 
 
+def test_a_run_killed_in_the_warm_starts_closing_check_resumes_into_it(tmp_path, trained_pico_dir, tokenizer):
+    """Killed after the warm start's last checkpoint, in its retention check: the rerun does the check
+    (the history's step-0 record) and the rest, to the weights of a run never killed (it used to skip
+    the check and carry the warm start's Adam moments into OPD)."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
+    routes = resolve_routes({"count": "count"})
+    cfg = DistillConfig(estimator="full", steps=2, prompts_per_step=4, group_size=1, warmstart_steps=20,
+                        warmstart_prompts=16, warmstart_batch=8, checkpoint_every=2)  # warm checkpoints every 10
+
+    def evaluate(model):
+        return {"count": 0.5}
+
+    def dies(model):
+        raise KeyboardInterrupt
+
+    whole = build_model(PICO, tokenizer, seed=0)
+    want = distill(cfg, whole, tokenizer, teachers, routes, tmp_path / "a.pt", log=lambda *_: None,
+                   evaluate_fn=evaluate, references={"count": 1.0})
+    killed = build_model(PICO, tokenizer, seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, killed, tokenizer, teachers, routes, tmp_path / "b.pt", log=lambda *_: None,
+                evaluate_fn=dies, references={"count": 1.0})
+    assert torch.load(tmp_path / "b.pt", weights_only=True)["state"]["warm_step"] == 20
+    resumed = build_model(PICO, tokenizer, seed=0)
+    got = distill(cfg, resumed, tokenizer, teachers, routes, tmp_path / "b.pt", log=lambda *_: None,
+                  evaluate_fn=evaluate, references={"count": 1.0})
+    assert [h["step"] for h in got.history] == [h["step"] for h in want.history] and got.history[0]["phase"] == "warmstart"
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)
+
+
 def test_warm_start_checkpoints_hold_the_samples_as_tensors_until_it_ends(tmp_path, trained_pico_dir, tokenizer,
                                                                           monkeypatch):
     """A warm start's checkpoints carry its samples packed (three int32 tensors per capability, not

@@ -66,6 +66,9 @@ class DistillState:
     warm_step: int = 0
     warm_samples: dict | None = None
     warm_tokens: int = 0
+    # its end (the retention check as step 0, fresh Adam moments) is done: a run killed after its last
+    # step's checkpoint, in that check, resumes into the end, not past it
+    warm_done: bool = False
 
 
 class StudentHidden(torch.nn.Module):
@@ -340,6 +343,7 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     if run.backward is None:
         opt.state.clear()  # OPD starts with fresh Adam moments (the SFT gradients' scale differs)
     state.warm_samples = None  # done with: OPD's checkpoints need not carry them
+    state.warm_done = True
     run.save()
 
 
@@ -378,7 +382,9 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     torch.manual_seed(cfg.seed + ranks.rank)
     ckpt = checkpointer(ckpt_path, cfg, ranks, log)
     restored = ckpt.restore(student, rng)
-    state = DistillState(**restored[0]) if restored else DistillState()
+    # a checkpoint from before `warm_done`: its warm start ended if it had taken all its steps
+    state = (DistillState(**{"warm_done": restored[0]["warm_step"] >= cfg.warmstart_steps, **restored[0]})
+             if restored else DistillState())
     if restored:
         log(f"resuming distillation at step {state.step}")
         if progress:
@@ -392,7 +398,7 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     teachers = sampler.teachers  # where the teachers score: in process, or their Ray actors
     run = _Run(cfg, student, policy, opt, backward, rng, state, ckpt, ranks, sampler, evaluate_fn, references or {},
                log, progress, tracker or Tracker(), time.time() - state.elapsed)
-    if state.warm_step < cfg.warmstart_steps:
+    if cfg.warmstart_steps and not state.warm_done:
         _warm_start(run, teachers, routes, mix, tokenizer.pad_token_id)
     with sampler:
         while state.step < cfg.steps:
