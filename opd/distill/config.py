@@ -157,9 +157,9 @@ class DistillConfig(BaseModel):
         "capability's teacher, word-level KD; needs in-process teachers and costs a teacher forward per step)")
     warmstart_cache_mib: int = Field(
         4096, ge=0, description="with warmstart_loss kl: the most host memory (MiB) that the teachers' logits at every "
-        "token of their warm-start samples may take; within it each teacher scores all its samples once, in large "
-        "batches, and a step costs the student alone (the same targets to float rounding); above it, or at 0, "
-        "each step runs its pairs' teachers (a real vocabulary: 4 bytes x vocab per token)")
+        "token of their distinct warm-start samples may take; within it each teacher scores each distinct sample once, "
+        "in large batches, and a step costs the student alone (the same targets to float rounding); above it, or "
+        "at 0, each step runs its pairs' teachers (a real vocabulary: 4 bytes x vocab per token)")
     warmstart_lr: float = Field(1e-3, gt=0, description="AdamW lr of the warm start (cosine to lr_min_ratio)")
     warmstart_batch: int = Field(64, gt=0, description="sequences per warm-start step")
     warmstart_draws: Literal["pairs", "groups"] = Field(
