@@ -166,7 +166,7 @@ TeacherLogits = dict[str, tuple[torch.Tensor, list[int], list[int]]]
 
 def distinct(pairs: list[Sample]) -> tuple[list[Sample], list[int]]:
     """The distinct pairs in first-seen order, and the index among them of each pair (teachers sampling
-    near their mode repeat themselves: at the lab12 recipe's temperature 0.3 a third of the pairs are
+    near their mode repeat themselves: at the lab12 recipe's temperature 0.3 30% of the pairs are
     distinct)."""
     first: dict[tuple, int] = {}
     which = [first.setdefault((tuple(p), tuple(c)), len(first)) for p, c in pairs]
