@@ -63,7 +63,7 @@ def main() -> int:
     cache = teacher_logits_cache(samples, warm, pad, "packed")
     cache_s = time.perf_counter() - t0
     mib = sum(f.numel() * 4 for f, *_ in cache.values()) / 2**20
-    n_distinct = sum(len(w) and max(w) + 1 for _, _, w in cache.values())
+    n_distinct = sum(len(offsets) - 1 for _, offsets, _ in cache.values())
     print(f"cache: {n_samples} samples ({n_distinct} distinct, each scored once), {mib:.0f} MiB, {cache_s:.1f} s "
           f"({1000 * cache_s / n_samples:.2f} s per 1,000 samples)")
 

@@ -277,7 +277,7 @@ def _teacher_cache(run: _Run, samples: dict[str, list[Sample]], warm_teachers: d
         return None
     t0 = time.time()
     cache = teacher_logits_cache(samples, warm_teachers, pad_id, cfg.layout)
-    n = sum(max(which) + 1 for _, _, which in cache.values())
+    n = sum(len(offsets) - 1 for _, offsets, _ in cache.values())
     run.log(f"warm start: the teachers scored their {n:,} distinct samples once ({mib:,.0f} MiB of logits, "
             f"{time.time() - t0:.0f} s)")
     return cache
@@ -306,9 +306,9 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
                            f"teachers' {cfg.warmstart_group} samples "
                            f"of {cfg.warmstart_prompts} prompts per capability: raise warmstart_prompts or "
                            "warmstart_group, or set warmstart_steps: 0")
+        state.warm_samples = pack_samples(samples)  # what each checkpoint saves (tensors, not 10^5 lists)
     else:  # resumed
         samples = unpack_samples(state.warm_samples)
-    state.warm_samples = pack_samples(samples)  # what each checkpoint saves (tensors, not 10^5 lists)
     cache = None
     if cfg.warmstart_loss == "kl" and state.warm_step < cfg.warmstart_steps:
         cache = _teacher_cache(run, samples, warm_teachers, pad_id)
