@@ -254,6 +254,48 @@ def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher
     assert all(p.grad is None for t in teachers.values() for p in t.model.parameters())
 
 
+def test_warm_start_kl_target_temperature(pico_model, tokenizer):
+    """warmstart_target_temperature: the KL's target is softmax(teacher logits / T), by hand, whether the
+    teachers run in the step or their logits come from the cache; 1.0 is the teacher itself, and a T
+    that is not 1.0 changes the loss. Refused without warmstart_loss: kl."""
+    from opd_kernels.chunked import reverse_kl_from_logits
+
+    from opd.distill.config import DistillConfig
+    from opd.distill.offpolicy import cached_logits, kd_loss, teacher_logits_cache
+
+    pad = tokenizer.pad_token_id
+    teachers = _count_and_sort_teachers(pico_model, tokenizer)
+    caps = ["sort", "count", "sort", "count", "count", "sort"]
+    batch = list(zip(caps, zip(P, C)))
+    policy = StudentHidden(pico_model)
+    W = pico_model.get_output_embeddings().weight
+    samples = {c: [pair for cc, pair in batch if cc == c] for c in ("count", "sort")}
+    cache = teacher_logits_cache(samples, teachers, pad, "packed")
+    seen = {c: 0 for c in samples}
+    draws = []
+    for c, _ in batch:
+        draws.append((c, seen[c]))
+        seen[c] += 1
+    losses = {}
+    for T in (1.0, 0.3):
+        per_seq = []
+        for cap, (p, c) in batch:
+            zs = _padded_hidden(pico_model, [p], [c], pad) @ W.T
+            t = teachers[cap].model
+            zt = _padded_hidden(t, [p], [c], pad) @ t.get_output_embeddings().weight.T
+            per_seq.append(reverse_kl_from_logits(zs, zt / T).mean())
+        want = float(torch.stack(per_seq).mean())
+        in_step = float(kd_loss(policy, batch, teachers, pad, layout="packed", target_temperature=T)[0].detach())
+        cached = float(kd_loss(policy, batch, teachers, pad, layout="packed", target_temperature=T,
+                               teacher_logits=cached_logits(cache, draws))[0].detach())
+        assert in_step == pytest.approx(want, rel=1e-4) and cached == pytest.approx(want, rel=1e-4)
+        losses[T] = want
+    assert abs(losses[0.3] - losses[1.0]) > 1e-3
+    with pytest.raises(ValueError, match="warmstart_target_temperature"):
+        DistillConfig(warmstart_steps=10, warmstart_target_temperature=0.5)
+    DistillConfig(warmstart_steps=10, warmstart_loss="kl", warmstart_target_temperature=0.5)
+
+
 def test_warm_start_kl_loss_is_refused_without_in_process_teachers(pico_model, tokenizer):
     """teachers_on: ray holds the teachers in actors: refused in the config, in one message naming
     the fix; a teacher with no model (a server's) is refused by the loss itself."""

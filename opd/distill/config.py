@@ -155,6 +155,9 @@ class DistillConfig(BaseModel):
         "nll", description="the warm start's loss on its teacher samples: 'nll' (the sampled tokens, sequence-level KD) "
         "or 'kl' (at each of their tokens the exact KL(student || teacher) over the full vocabulary to the "
         "capability's teacher, word-level KD; needs in-process teachers and costs a teacher forward per step)")
+    warmstart_target_temperature: float = Field(
+        1.0, gt=0, description="with warmstart_loss kl: the temperature of the teacher's distribution that each token's "
+        "KL targets: 1.0 its own; warmstart_temperature's value the sharper one that drew its samples")
     warmstart_cache_mib: int = Field(
         4096, ge=0, description="with warmstart_loss kl: the most host memory (MiB) that the teachers' logits at every "
         "token of their distinct warm-start samples may take; within it each teacher scores each distinct sample once, "
@@ -200,6 +203,9 @@ class DistillConfig(BaseModel):
         if self.estimator == "topk" and self.topk is None:
             raise ValueError("estimator 'topk' needs topk: K, the number of the student's most likely tokens "
                              "per position (>= 1)")
+        if self.warmstart_target_temperature != 1.0 and self.warmstart_loss != "kl":
+            raise ValueError("warmstart_target_temperature is the temperature of warmstart_loss kl's target: set "
+                             "warmstart_loss: kl, or leave warmstart_target_temperature at 1.0")
         if self.teachers_on == "ray" and self.warmstart_loss == "kl" and self.warmstart_steps > 0:
             raise ValueError("warmstart_loss: kl reads each teacher's full distribution in this process; with "
                              "teachers_on: ray the teachers live in actors: use warmstart_loss: nll or teachers_on: local")

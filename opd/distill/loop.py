@@ -141,7 +141,7 @@ UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_
 # stay out of the identity too.
 DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability",
                           "domain_balance": "none", "warmstart_select": "all",
-                          "warmstart_loss": "nll", "warmstart_draws": "pairs"}
+                          "warmstart_loss": "nll", "warmstart_draws": "pairs", "warmstart_target_temperature": 1.0}
 
 
 def run_identity(cfg: DistillConfig) -> dict:
@@ -321,7 +321,8 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         batch = [(c, samples[c][i]) for c, i in draws]
         if cfg.warmstart_loss == "kl":
             zt = cached_logits(cache, draws) if cache is not None else None
-            loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout, zt)
+            loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout, zt,
+                                  cfg.warmstart_target_temperature)
         else:
             loss, n_tok = sft_loss(run.policy, [pair for _, pair in batch], pad_id, cfg.kernel_chunk, cfg.layout)
         optimizer_step(loss, opt, run.policy.parameters(), cfg.grad_clip, run.backward)

@@ -229,7 +229,8 @@ def require_models(teachers: dict[str, Teacher], caps) -> None:
 
 def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher], pad_id: int,
             kernel_chunk: int = 1024, layout: Layout = "padded",
-            teacher_logits: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+            teacher_logits: list[torch.Tensor] | None = None, target_temperature: float = 1.0
+            ) -> tuple[torch.Tensor, int]:
     """Word-level distillation on teacher samples (`warmstart_loss: kl`): at every completion token of
     each pair, the exact KL(student || teacher) over the full vocabulary to its capability's teacher
     (`teachers`: capability -> Teacher with an in-process model), the per-token target of the `full`
@@ -237,7 +238,9 @@ def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher
     sequences, as `sft_loss`. Returns (loss, completion tokens).
 
     teacher_logits: each pair's teacher logits at its completion tokens, (len(completion), V) in the
-    order of `batch` (`cached_logits` of a `teacher_logits_cache`); given, no teacher runs here."""
+    order of `batch` (`cached_logits` of a `teacher_logits_cache`); given, no teacher runs here.
+    target_temperature: the KL's target is softmax(teacher logits / it): 1.0 the teacher itself, the
+    sampling temperature the sharper distribution its samples were drawn from."""
     if teacher_logits is None:
         require_models(teachers, {c for c, _ in batch})
     order = sorted(range(len(batch)), key=lambda j: batch[j][0])  # stable: each teacher's pairs are consecutive
@@ -249,7 +252,7 @@ def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher
     h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (N, H), the pairs' tokens in order
     W = lm_head_weight(policy.lm)
     if teacher_logits is not None:
-        zt = torch.cat([teacher_logits[j] for j in order]).to(device)  # (N, V)
+        zt = torch.cat([teacher_logits[j] for j in order]).to(device) / target_temperature  # (N, V)
         kl = reverse_kl(h, W, teacher_logits=zt, chunk_size=kernel_chunk)
     else:
         parts, at = [], 0
@@ -259,6 +262,7 @@ def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher
             model = teachers[cap].model
             with torch.no_grad():
                 ht = hidden_at(model, lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device))
+                ht = ht / target_temperature  # the logits ht @ W.T, scaled
             parts.append(reverse_kl(h[at: at + n], W, ht, lm_head_weight(model), chunk_size=kernel_chunk))  # (n,)
             at += n
         kl = torch.cat(parts)
