@@ -10,9 +10,8 @@ expert) reaches --target and that the minimum gain kept ((student - base) / (exp
 --gain, with the median minimum and each capability's own chance. A target that a perfect copy meets
 only by luck cannot tell a good consolidation from a bad one on these splits.
 
-Independent item noise overstates the spread a little: the student and its expert answer the same items,
-and a student that copies its expert errs where the expert errs (the report's unpaired stderr is an upper
-bound for the same reason).
+The model of the noise is opd.merge.noise's (whose range the report's headline prints): independent items,
+which overstate the spread a little, as a copy errs where its expert errs.
 """
 
 from __future__ import annotations
@@ -25,18 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from opd.merge.headline import capability_rows
+from opd.merge.noise import Split, copy_draws
 
 
 def copy_chances(rows: list[dict], target: float, gain: float, draws: int, seed: int = 0) -> dict:
     """rows: per counted capability {capability, n, base, reference}. Returns the chances that a student
     of the experts' own accuracy meets each target, the median minima, and per-capability chances."""
-    rng = np.random.default_rng(seed)
-    n = np.array([r["n"] for r in rows])
-    p = np.array([r["reference"] for r in rows], dtype=float)
-    base = np.array([r["base"] for r in rows], dtype=float)
-    student = rng.binomial(n, p, size=(draws, len(rows))) / n  # (draws, caps)
-    retention = student / p
-    gain_kept = (student - base) / (p - base)
+    splits = [Split(r["capability"], r["n"], r["base"], r["reference"]) for r in rows]
+    retention, gain_kept = copy_draws(splits, draws, seed)
     return {
         "p_retention": float((retention.min(1) >= target).mean()),
         "p_gain": float((gain_kept.min(1) >= gain).mean()),

@@ -127,3 +127,21 @@ def test_a_shortfall_is_a_loss_only_beyond_two_stderr_of_the_difference():
                      strategy_rows(CELLS, {"#3 ties": {"candidate": {"strategy": "ties"}}}, EXPERTS), {})
     assert "**Lost for certain**" in md and "add (-5.5)" in md and "| -5.5 |" in md
     assert md.rstrip().endswith("| ties | #3 ties | 0.60 | 0.60 | 0.50 | add | 1 of 1 |")
+
+
+def test_headline_places_a_perfect_copy_of_the_experts_on_these_splits():
+    """With the splits' sizes in the matrix, the headline says where a student with exactly its experts'
+    accuracy lands (opd.merge.noise): near 1 on huge splits, well below on small ones; without them, nothing."""
+    from opd.merge.noise import Split, copy_minima
+
+    assert "exactly its experts' accuracy" not in headline_md("#1 opd", capability_rows(CELLS, "#1 opd", EXPERTS), [], {})
+    for n, near_one in ((1_000_000, True), (50, False)):
+        cells = [{**c, "n": n} for c in CELLS]
+        md = headline_md("#1 opd", capability_rows(cells, "#1 opd", EXPERTS), [], {})
+        c = copy_minima([Split("add", n, 0.10, 0.50)])
+        assert f"min retention of {c['retention_median']:.2f} ({c['retention_lo']:.2f}-{c['retention_hi']:.2f}" in md
+        assert (c["retention_lo"] > 0.99) == near_one
+    small = copy_minima([Split("add", 50, 0.10, 0.50)])
+    # Bin(50, 0.5): 5th percentile 19 of 25 expected, so retention 0.76; by hand within a draw's rounding
+    assert small["retention_lo"] == pytest.approx(19 / 25, abs=0.05) and small["retention_median"] == pytest.approx(1.0)
+    assert copy_minima([Split("add", 50, 0.1, 0.5)], seed=3) == copy_minima([Split("add", 50, 0.1, 0.5)], seed=3)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opd.merge.interference import MIN_GAIN_Z, gain_z
+from opd.merge.noise import Split, copy_minima
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class CapabilityRow:
     gain_kept: float | None  # None where the expert does not beat the base by min_z stderr
     expert_gain_z: float
     vs_expert_z: float  # (model - expert) / unpaired stderr of the difference: <= -min_z is a certain loss
+    n: int | None = None  # the split's items, where the matrix records them
 
 
 def gain_kept(model: float, base: float, expert: float) -> float:
@@ -53,7 +55,7 @@ def capability_rows(cells: list[dict], candidate: str, expert_of: dict[str, str]
         z = gain_z(e["score"], e["stderr"], b["score"], b["stderr"])
         rows.append(CapabilityRow(cap, b["score"], e["score"], m["score"], m["retention"],
                                   gain_kept(m["score"], b["score"], e["score"]) if z >= min_z else None, z,
-                                  gain_z(m["score"], m["stderr"], e["score"], e["stderr"])))
+                                  gain_z(m["score"], m["stderr"], e["score"], e["stderr"]), b.get("n")))
     return rows
 
 
@@ -129,6 +131,19 @@ def _losses_md(s: dict) -> str:
             "settle it.")
 
 
+def _copy_md(rows: list[CapabilityRow]) -> str:
+    """One sentence: where a perfect copy of the experts lands on these splits (opd.merge.noise), when
+    every counted capability's split size is known."""
+    counted = [r for r in rows if r.gain_kept is not None]
+    if not counted or any(r.n is None or r.expert <= 0 for r in counted):
+        return ""
+    c = copy_minima([Split(r.capability, r.n, r.base, r.expert) for r in counted])
+    return (f"A student with exactly its experts' accuracy would score, on these test splits, a min retention of "
+            f"{c['retention_median']:.2f} ({c['retention_lo']:.2f}-{c['retention_hi']:.2f}, 90% of draws) and a "
+            f"min gain kept of {c['gain_kept_median']:.2f} ({c['gain_kept_lo']:.2f}-{c['gain_kept_hi']:.2f}): "
+            "the split's noise alone, with items drawn independently (opd.merge.noise).")
+
+
 def headline_md(candidate: str, rows: list[CapabilityRow], strategies: list[dict], stages: dict[str, float],
                 model_path: str | None = None, missing: list[dict] | None = None) -> str:
     """The report's first section, as Markdown."""
@@ -139,7 +154,7 @@ def headline_md(candidate: str, rows: list[CapabilityRow], strategies: list[dict
              f"{s.get('gain_capabilities', 0)} of {s.get('capabilities', 0)} capabilities whose expert beats the base "
              f"by >= {MIN_GAIN_Z:g} stderr" + ("." if s.get("gain_capabilities") == s.get("capabilities") else
              f"; over all {s.get('capabilities')}: min retention {_f(s.get('min_retention_all'))} "
-             f"({s.get('weakest_all')})."), "", _losses_md(s), "",
+             f"({s.get('weakest_all')})."), "", _losses_md(s), "", *([copy, ""] if (copy := _copy_md(rows)) else []),
              "| capability | base | expert | final model | retention | gain kept | expert gain (z) | vs expert (z) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
