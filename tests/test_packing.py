@@ -221,6 +221,15 @@ def _count_and_sort_teachers(pico_model, tokenizer) -> dict:
             "sort": embedded_teacher("t2", "sort", other, tokenizer)}
 
 
+def _kd_setup(pico_model, tokenizer):
+    """The KL warm-start tests' pad id, two teachers, six pairs of both capabilities mixed, the student's
+    StudentHidden and its head."""
+    teachers = _count_and_sort_teachers(pico_model, tokenizer)
+    caps = ["sort", "count", "sort", "count", "count", "sort"]
+    return (tokenizer.pad_token_id, teachers, list(zip(caps, zip(P, C))), StudentHidden(pico_model),
+            pico_model.get_output_embeddings().weight)
+
+
 def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher(pico_model, tokenizer):
     """warmstart_loss: kl: every completion token's KL(student || its capability's teacher) over the
     full vocabulary, from the padded logits by hand, in either layout, pairs of two teachers mixed;
@@ -229,12 +238,7 @@ def test_warm_start_kl_loss_is_the_exact_per_token_kl_to_each_capability_teacher
 
     from opd.distill.offpolicy import kd_loss
 
-    pad = tokenizer.pad_token_id
-    teachers = _count_and_sort_teachers(pico_model, tokenizer)
-    caps = ["sort", "count", "sort", "count", "count", "sort"]
-    batch = list(zip(caps, zip(P, C)))
-    policy = StudentHidden(pico_model)
-    W = pico_model.get_output_embeddings().weight
+    pad, teachers, batch, policy, W = _kd_setup(pico_model, tokenizer)
     per_seq = []
     for cap, (p, c) in batch:
         zs = _padded_hidden(pico_model, [p], [c], pad) @ W.T
@@ -263,12 +267,7 @@ def test_warm_start_kl_target_temperature(pico_model, tokenizer):
     from opd.distill.config import DistillConfig
     from opd.distill.offpolicy import cached_logits, kd_loss, teacher_logits_cache
 
-    pad = tokenizer.pad_token_id
-    teachers = _count_and_sort_teachers(pico_model, tokenizer)
-    caps = ["sort", "count", "sort", "count", "count", "sort"]
-    batch = list(zip(caps, zip(P, C)))
-    policy = StudentHidden(pico_model)
-    W = pico_model.get_output_embeddings().weight
+    pad, teachers, batch, policy, W = _kd_setup(pico_model, tokenizer)
     samples = {c: [pair for cc, pair in batch if cc == c] for c in ("count", "sort")}
     cache = teacher_logits_cache(samples, teachers, pad, "packed")
     seen = {c: 0 for c in samples}
