@@ -46,8 +46,7 @@ def counted_rows(results: dict) -> list[dict]:
     2 stderr on test: `opd.merge.headline`), with their items `n`, base and expert scores."""
     cells = results["matrix"]["test"]
     expert_of = {cap: f"expert {owner}" for cap, owner in results["owners"].items()}
-    n = {c["capability"]: c["n"] for c in cells if c["candidate"] == "base"}
-    return [{"capability": r.capability, "n": n[r.capability], "base": r.base, "reference": r.expert}
+    return [{"capability": r.capability, "n": r.n, "base": r.base, "reference": r.expert}
             for r in capability_rows(cells, results["best"], expert_of) if r.gain_kept is not None]
 
 
@@ -65,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.results}: not a merge run's results.json with a test matrix ({e}): pass "
               "runs/merge/<name>/results.json of a finished run", file=sys.stderr)
         return 2
-    if not rows:
-        print(f"error: {args.results}: no counted capability in its test matrix", file=sys.stderr)
+    if not rows or any(r["n"] is None for r in rows):
+        print(f"error: {args.results}: no counted capability with its items (n) in its test matrix: rerun the "
+              "merge with this version of opd, which records them", file=sys.stderr)
         return 2
     out = copy_chances(rows, args.target, args.gain, args.draws)
     print(f"{len(rows)} counted capabilities, a student with exactly its experts' test accuracy, {args.draws} draws:")
