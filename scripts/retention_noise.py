@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
               "runs/merge/<name>/results.json of a finished run", file=sys.stderr)
         return 2
     if not rows or any(r["n"] is None for r in rows):
-        print(f"error: {args.results}: no counted capability with its items (n) in its test matrix: rerun the "
-              "merge with this version of opd, which records them", file=sys.stderr)
+        print(f"error: {args.results}: no counted capability with its items (n) in its test matrix: pass the "
+              "results.json of a run whose matrix records n (runs/merge/<name>/results.json)", file=sys.stderr)
         return 2
     out = copy_chances(rows, args.target, args.gain, args.draws)
     print(f"{len(rows)} counted capabilities, a student with exactly its experts' test accuracy, {args.draws} draws:")
