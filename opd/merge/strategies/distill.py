@@ -149,9 +149,10 @@ DISTILL_STRATEGIES = [
     _opd("opd", "OPD from the base", "base"),
     _opd("merge_opd", "OPD from the best merge so far", "best"),
     # What a user would do instead of OPD, run by the same loop so that tokens and minutes compare:
-    # supervised training on teacher samples the verifier accepts (off-policy distillation, no
-    # on-policy steps), and multi-task GSPO from the base on verifier rewards alone (no teacher).
-    _opd("offpolicy", "off-policy distillation (SFT on verified teacher samples)", "base", {"steps": 0}),
+    # supervised training on teacher samples the verifier accepts, or on all of them with verifier: none
+    # (off-policy distillation, no on-policy steps; lab12_noverifier's final recipe), and multi-task GSPO from the base on verifier rewards alone (no teacher).
+    _opd("offpolicy", "off-policy distillation (the warm start alone: teacher samples, verified unless "
+         "verifier: none)", "base", {"steps": 0}),
     _opd("gspo", "multi-task GSPO on verifier rewards", "base",
          {"kl_weight": 0.0, "reward_weight": 1.0, "warmstart_steps": 0}),
 ]
