@@ -63,3 +63,22 @@ def test_search_and_opd_bars_share_the_process_display(monkeypatch):
     assert "trial-3 merge_opd warm start" in text and "4/4" in text
     assert "trial-3 merge_opd OPD" in text and "6/10" in text and "KL 0.300" in text and "0.910@5" in text
     assert not shared.active and shared._live is None
+
+
+def test_a_warm_start_alone_shows_its_notes_and_no_opd_bar(monkeypatch):
+    """steps 0 (the offpolicy strategy): no empty OPD bar; the warm-start bar carries the note that
+    `progress.status` sets while the teachers sample and score, before its first step."""
+    from opd import display as display_mod
+    from opd.distill.bar import opd_bar
+    from opd.distill.config import DistillConfig
+
+    shared = Display(Console(file=io.StringIO(), force_terminal=True, width=200), every=0)
+    monkeypatch.setattr(display_mod, "display", shared)
+    with opd_bar("trial-1 offpolicy", DistillConfig(steps=0, warmstart_steps=30)) as progress:
+        progress.status("teachers sampling: add (1/12)")
+        text = _text(shared)
+        progress.status("")
+        after = _text(shared)
+    assert "trial-1 offpolicy warm start" in text and "0/30" in text
+    assert "teachers sampling: add (1/12)" in text and "teachers sampling" not in after
+    assert "trial-1 offpolicy OPD" not in text

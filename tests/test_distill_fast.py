@@ -345,3 +345,27 @@ def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers
     assert any("distinct samples once" in m for m in logs)
     for k, v in runs[4096].items():
         torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)
+
+
+def test_the_warm_starts_bar_hears_what_it_does_before_its_first_step(tmp_path, trained_pico_dir, tokenizer):
+    """A progress callback with a `status` attribute (opd.distill.bar's) hears each capability's
+    sampling, then the teachers' scoring, then an empty note, all before the first step."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    teachers = {c: embedded_teacher(c, c, teacher, tokenizer) for c in ("count", "rev")}
+    routes = resolve_routes({"count": "count", "rev": "rev"})
+    cfg = DistillConfig(estimator="full", steps=0, warmstart_steps=6, warmstart_prompts=8, warmstart_batch=4,
+                        warmstart_loss="kl", verifier="none", checkpoint_every=1, layout="packed")
+    notes, steps = [], []
+
+    def progress(state, rec):
+        steps.append((state.warm_step, len(notes)))
+
+    progress.status = notes.append
+    distill(cfg, build_model(PICO, tokenizer, seed=0), tokenizer, teachers, routes, tmp_path / "s.pt",
+            log=lambda *_: None, progress=progress)
+    assert notes == ["teachers sampling: count (1/2)", "teachers sampling: rev (2/2)",
+                     "teachers scoring their samples", ""]
+    assert [n for s, n in steps if s >= 1] == [4] * 6  # every note came before the first step
+

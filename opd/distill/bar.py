@@ -1,5 +1,7 @@
 """An OPD student's section of the live display (opd.display): a warm-start bar (when the config has
-one) and an OPD bar with the mean teacher KL and the last val retention check."""
+one) that also names what the warm start does before its first step (its teachers sampling, then
+scoring their samples), and an OPD bar (when the config has OPD steps) with the mean teacher KL and
+the last val retention check."""
 
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ from opd.distill.config import DistillConfig
 
 @contextmanager
 def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Callable | None]:
-    """Yields the `progress(state, rec)` callback for `opd.distill.loop.distill` (None when disabled)."""
+    """Yields the `progress(state, rec)` callback for `opd.distill.loop.distill` (None when disabled);
+    its `status(text)` attribute sets the warm-start bar's note."""
     if not enabled:
         yield None
         return
     bar = live.step_bar()
     warm = bar.add_task(f"{name} warm start", total=cfg.warmstart_steps, info="",
                         visible=cfg.warmstart_steps > 0)
-    opd = bar.add_task(f"{name} OPD", total=cfg.steps, info="")
+    opd = bar.add_task(f"{name} OPD", total=cfg.steps, info="", visible=cfg.steps > 0)
 
     def progress(state, rec: dict | None) -> None:
         bar.update(warm, completed=state.warm_step)
@@ -32,5 +35,6 @@ def opd_bar(name: str, cfg: DistillConfig, enabled: bool = True) -> Iterator[Cal
             info += f"  best val min retention {state.best_min_retention:.3f}@{state.best_step}"
         bar.update(opd, info=info)
 
+    progress.status = lambda text: bar.update(warm, info=text)
     with live.display.section("opd", lambda: bar):
         yield progress

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from difflib import SequenceMatcher
 from itertools import accumulate, groupby
 from typing import Literal
@@ -66,17 +67,21 @@ def mbr_pick(completions: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 def verified_samples(teachers: dict[str, Teacher], routes: Routes, rng: random.Random, *, prompts: int,
                      group: int, temperature: float, seed: int, verify: bool = True,
-                     prefill: Layout = "padded", select: Select = "all") -> dict[str, list[Sample]]:
+                     prefill: Layout = "padded", select: Select = "all",
+                     on_capability: Callable[[str, int, int], None] | None = None) -> dict[str, list[Sample]]:
     """Capability -> distinct (prompt, completion) pairs sampled from its highest-weight teacher that
     the capability's verifier accepts (score 1). Deterministic given `rng` and `seed`.
 
     verify False: every non-empty sample, duplicates included, and the verifier is never called; the
     pairs then follow the teacher's own distribution (deduplicating would flatten it towards its tail).
     select "mbr": of each prompt's kept samples, only the one `mbr_pick` chooses (one pair per prompt).
-    prefill: how an in-process teacher prefills the prompts (EmbeddedEngine's; the same distribution)."""
+    prefill: how an in-process teacher prefills the prompts (EmbeddedEngine's; the same distribution).
+    on_capability(cap, i, n): called before the i-th (from 0) of the n capabilities is sampled."""
     out: dict[str, list[Sample]] = {}
     main = main_teachers(teachers, routes)
     for i, cap in enumerate(sorted(routes)):
+        if on_capability is not None:
+            on_capability(cap, i, len(routes))
         capability = get_capability(cap)
         teacher = main[cap]
         engine = teacher.engine
