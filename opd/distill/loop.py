@@ -382,7 +382,9 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     draws its own `prompts_per_step` prompts and checkpoints to its own file; rank 0 evaluates and
     its keep-best and stop decisions hold on every rank.
     tracker (opd.tracking): gets every history record, each teacher's KL as kl/<teacher>.
-    progress(state, rec): after each OPD step; rec None after a warm-start step and on resume.
+    progress(state, rec): after each OPD step; rec None after a warm-start step and on resume. Its
+    `status(text)` attribute, where it has one (opd.distill.bar), hears what the warm start does before
+    its first step.
     """
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
     require_routed("capability_weights", cfg.capability_weights or {}, routes)
