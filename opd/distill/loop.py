@@ -292,14 +292,11 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     warm_teachers = main_teachers(teachers, routes)
     if cfg.warmstart_loss == "kl":  # before any sampling
         require_models(warm_teachers, warm_teachers)
-    status = getattr(run.progress, "status", None)  # the live bar's note (opd.distill.bar), if any
+    # the live bar's note (opd.distill.bar), where the progress callback has one
+    status = getattr(run.progress, "status", None) or (lambda _text: None)
     if state.warm_samples is None:
         verify = cfg.verifier != "none"
-
-        def sampling(cap: str, i: int, n: int) -> None:
-            if status:
-                status(f"teachers sampling: {cap} ({i + 1}/{n})")
-
+        sampling = lambda cap, i, n: status(f"teachers sampling: {cap} ({i + 1}/{n})")  # noqa: E731
         samples = verified_samples(teachers, routes, run.rng, prompts=cfg.warmstart_prompts,
                                    group=cfg.warmstart_group, temperature=cfg.warmstart_temperature,
                                    seed=cfg.seed + run.ranks.rank, verify=verify, prefill=cfg.layout,
@@ -317,11 +314,9 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         samples = unpack_samples(state.warm_samples)
     cache = None
     if cfg.warmstart_loss == "kl" and state.warm_step < cfg.warmstart_steps:
-        if status:
-            status("teachers scoring their samples")
+        status("teachers scoring their samples")
         cache = _teacher_cache(run, samples, warm_teachers, pad_id)
-    if status:
-        status("")
+    status("")
     groups = {c: prompt_groups(v) for c, v in samples.items()} if cfg.warmstart_draws == "groups" else None
     run.policy.train()
     while state.warm_step < cfg.warmstart_steps:
