@@ -334,12 +334,12 @@ def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers
         torch.testing.assert_close(runs[0][k], v, rtol=1e-4, atol=1e-5)
     monkeypatch.setattr(offpolicy, "hidden_at", real)
 
-    real_kd = loop.kd_loss
-    monkeypatch.setattr(loop, "kd_loss", _dies_at_call(15, real_kd))
+    real_kd = loop.kd_sequence_losses
+    monkeypatch.setattr(loop, "kd_sequence_losses", _dies_at_call(15, real_kd))
     with pytest.raises(KeyboardInterrupt):
         distill(cfg, build_model(PICO, tokenizer, seed=0), tokenizer, teachers, routes, tmp_path / "k.pt",
                 log=lambda *_: None)
-    monkeypatch.setattr(loop, "kd_loss", real_kd)
+    monkeypatch.setattr(loop, "kd_sequence_losses", real_kd)
     logs, resumed = [], build_model(PICO, tokenizer, seed=0)
     distill(cfg, resumed, tokenizer, teachers, routes, tmp_path / "k.pt", log=logs.append)
     assert any("distinct samples once" in m for m in logs)
@@ -369,3 +369,55 @@ def test_the_warm_starts_bar_hears_what_it_does_before_its_first_step(tmp_path, 
                      "teachers scoring their samples", ""]
     assert [n for s, n in steps if s >= 1] == [4] * 6  # every note came before the first step
 
+
+
+def test_d3_warm_start_draws_more_of_the_capability_further_from_its_teacher_and_resumes(
+        tmp_path, trained_pico_dir, tokenizer, monkeypatch):
+    """warmstart_balance d3: each step's draws follow the capabilities' running KL so far (the larger KL,
+    the larger share, at most 4 to 0.25 of the mix), starting from the mix itself; the running KLs ride in
+    the checkpoint, so a run killed midway resumes to the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    import opd.distill.loop as loop
+
+    rev_teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    count_teacher = copy.deepcopy(rev_teacher)
+    torch.manual_seed(3)
+    for p in count_teacher.parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    teachers = {"count": embedded_teacher("count", "count", count_teacher, tokenizer),
+                "rev": embedded_teacher("rev", "rev", rev_teacher, tokenizer)}
+    routes = resolve_routes({"count": "count", "rev": "rev"})
+    cfg = DistillConfig(estimator="full", steps=0, warmstart_steps=20, warmstart_prompts=16, warmstart_batch=8,
+                        warmstart_loss="kl", warmstart_balance="d3", verifier="none", checkpoint_every=2,
+                        layout="packed")
+    shares, kls, real_draw = [], [], loop.draw_sft
+    monkeypatch.setattr(loop, "draw_sft", lambda s, mix, *a, **k: shares.append(dict(mix)) or real_draw(s, mix, *a, **k))
+    logs, whole = [], AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    state = distill(cfg, whole, tokenizer, teachers, routes, tmp_path / "a.pt", log=logs.append,
+                    progress=lambda st, rec: rec is None and kls.append(dict(st.warm_kl)))
+    assert shares[0] == {"count": 0.5, "rev": 0.5}  # nothing measured before the first step
+    assert len(shares) == len(kls) == 20 and kls[-1] == state.warm_kl
+    for share, kl in zip(shares[1:], kls):
+        hi, lo = sorted(kl, key=kl.get, reverse=True)
+        ratio = min(4.0, kl[hi] / (sum(kl.values()) / 2)) / max(0.25, kl[lo] / (sum(kl.values()) / 2))
+        assert share[hi] / share[lo] == pytest.approx(ratio) and share[hi] > 0.5
+    assert max(s["count"] for s in shares) - min(s["count"] for s in shares) > 0.05  # the schedule moves
+    assert any("count=" in m and "rev=" in m for m in logs if m.startswith("warm start step"))
+
+    real_kd = loop.kd_sequence_losses
+    monkeypatch.setattr(loop, "kd_sequence_losses", _dies_at_call(15, real_kd))
+    killed = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cfg, killed, tokenizer, teachers, routes, tmp_path / "b.pt", log=lambda *_: None)
+    monkeypatch.setattr(loop, "kd_sequence_losses", real_kd)
+    resumed = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
+    again = distill(cfg, resumed, tokenizer, teachers, routes, tmp_path / "b.pt", log=lambda *_: None)
+    assert again.warm_kl == state.warm_kl
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, atol=0, rtol=0)
+
+
+def test_d3_warm_start_needs_the_kl_loss():
+    with pytest.raises(ValueError, match="warmstart_balance d3 .* set warmstart_loss: kl"):
+        DistillConfig(steps=0, warmstart_steps=10, warmstart_balance="d3")

@@ -169,6 +169,11 @@ class DistillConfig(BaseModel):
         "pairs", description="how a warm-start step draws its warmstart_batch sequences: 'pairs' (each a random teacher "
         "sample) or 'groups' (random prompts, each with all its kept samples, until there are warmstart_batch): with "
         "layout packed each prompt is then laid out once for its samples, so a step costs fewer tokens")
+    warmstart_balance: Literal["none", "d3"] = Field(
+        "none", description="balancing the capabilities in the warm start's draws: 'd3' (D3-MOPD's schedule, on the "
+        "teachers' samples) draws each step's pairs with share_c proportional to mix_c * clip(KL_c / mean KL, 0.25, "
+        "4), KL_c a running mean (decay 0.9 a step) of the capability's sequence KL in the steps so far; needs "
+        "warmstart_loss kl; 'none': the mix itself")
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)
     seed: int = 0
 
@@ -206,6 +211,9 @@ class DistillConfig(BaseModel):
         if self.warmstart_target_temperature != 1.0 and self.warmstart_loss != "kl":
             raise ValueError("warmstart_target_temperature is the temperature of warmstart_loss kl's target: set "
                              "warmstart_loss: kl, or leave warmstart_target_temperature at 1.0")
+        if self.warmstart_balance == "d3" and self.warmstart_loss != "kl":
+            raise ValueError("warmstart_balance d3 schedules the capabilities by their KL to the teacher: set "
+                             "warmstart_loss: kl, or warmstart_balance: none")
         if self.teachers_on == "ray" and self.warmstart_loss == "kl" and self.warmstart_steps > 0:
             raise ValueError("warmstart_loss: kl reads each teacher's full distribution in this process; with "
                              "teachers_on: ray the teachers live in actors: use warmstart_loss: nll or teachers_on: local")

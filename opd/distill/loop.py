@@ -26,8 +26,9 @@ from opd.distill.offpolicy import (
     TeacherLogits,
     cache_bytes,
     cached_logits,
+    capability_means,
     draw_sft,
-    kd_loss,
+    kd_sequence_losses,
     main_teachers,
     pack_samples,
     prompt_groups,
@@ -69,6 +70,8 @@ class DistillState:
     # its end (the retention check as step 0, fresh Adam moments) is done: a run killed after its last
     # step's checkpoint, in that check, resumes into the end, not past it
     warm_done: bool = False
+    # warmstart_balance d3: each capability's running mean sequence KL in the warm start's steps so far
+    warm_kl: dict[str, float] = field(default_factory=dict)
 
 
 class StudentHidden(torch.nn.Module):
@@ -141,7 +144,8 @@ UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_
 # stay out of the identity too.
 DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability",
                           "domain_balance": "none", "warmstart_select": "all",
-                          "warmstart_loss": "nll", "warmstart_draws": "pairs", "warmstart_target_temperature": 1.0}
+                          "warmstart_loss": "nll", "warmstart_draws": "pairs", "warmstart_target_temperature": 1.0,
+                          "warmstart_balance": "none"}
 
 
 def run_identity(cfg: DistillConfig) -> dict:
@@ -187,10 +191,26 @@ def kl_scheduled_mix(mix: dict[str, float], history: list[dict], routes: Routes)
     if last is None:
         return mix
     kl = {c: v for c in mix if (v := capability_kl(last, routes.get(c, {}))) is not None}
+    return kl_shares(mix, kl)
+
+
+def kl_shares(mix: dict[str, float], kl: dict[str, float]) -> dict[str, float]:
+    """share_c ∝ mix_c * clip(KL_c / mean_c KL_c, 0.25, 4) (D3-MOPD); a capability with no KL yet counts as
+    the mean, and `mix` itself while there is none."""
+    kl = {c: kl[c] for c in mix if c in kl}
     mean = sum(kl.values()) / len(kl) if kl else 0.0
     if mean <= 0:
         return mix
     return _normalised({c: w * min(4.0, max(0.25, kl.get(c, mean) / mean)) for c, w in mix.items()})
+
+
+WARM_KL_DECAY = 0.9  # warmstart_balance d3's running mean: a step's capabilities hold ~5 of its 64 pairs each
+
+
+def running_kl(old: dict[str, float], step: dict[str, float], decay: float = WARM_KL_DECAY) -> dict[str, float]:
+    """Each capability's running mean KL after a step with mean KLs `step` (capabilities it did not draw keep
+    theirs; one seen the first time starts at its step's value)."""
+    return {**old, **{c: decay * old[c] + (1 - decay) * v if c in old else v for c, v in step.items()}}
 
 
 def _normalised(raw: dict[str, float]) -> dict[str, float]:
@@ -322,12 +342,16 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     while state.warm_step < cfg.warmstart_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.warm_step, cfg.warmstart_steps - 1, cfg.warmstart_lr, 0, cfg.lr_min_ratio)
-        draws = draw_sft(samples, mix, run.rng, cfg.warmstart_batch, cfg.warmstart_draws, groups)
+        shares = kl_shares(mix, state.warm_kl) if cfg.warmstart_balance == "d3" else mix
+        draws = draw_sft(samples, shares, run.rng, cfg.warmstart_batch, cfg.warmstart_draws, groups)
         batch = [(c, samples[c][i]) for c, i in draws]
         if cfg.warmstart_loss == "kl":
             zt = cached_logits(cache, draws) if cache is not None else None
-            loss, n_tok = kd_loss(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk, cfg.layout, zt,
-                                  cfg.warmstart_target_temperature)
+            per_seq, caps, n_tok = kd_sequence_losses(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk,
+                                                      cfg.layout, zt, cfg.warmstart_target_temperature)
+            loss = per_seq.mean()
+            if cfg.warmstart_balance == "d3":
+                state.warm_kl = running_kl(state.warm_kl, capability_means(per_seq, caps))
         else:
             loss, n_tok = sft_loss(run.policy, [pair for _, pair in batch], pad_id, cfg.kernel_chunk, cfg.layout)
         optimizer_step(loss, opt, run.policy.parameters(), cfg.grad_clip, run.backward)
@@ -337,7 +361,8 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         if run.progress:
             run.progress(state, None)
         if state.warm_step % 50 == 0 or state.warm_step == cfg.warmstart_steps:
-            run.log(f"warm start step {state.warm_step}/{cfg.warmstart_steps}: loss {float(loss.detach()):.4f}")
+            run.log(f"warm start step {state.warm_step}/{cfg.warmstart_steps}: loss {float(loss.detach()):.4f}"
+                    + "".join(f" {c}={v:.4f}" for c, v in sorted(state.warm_kl.items())))
         if state.warm_step % (cfg.checkpoint_every * 5) == 0:
             run.save()
     rec = {"step": 0, "phase": "warmstart", "warm_tokens": state.warm_tokens, "gen_tokens": 0}

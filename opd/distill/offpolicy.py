@@ -36,6 +36,7 @@ from opd.distill.teachers import Teacher, lm_head_weight
 from opd.errors import OpdError
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss
+from opd.rl.gspo_loss import masked_mean
 from opd.rl.packing import Layout, hidden_at, lay_out, padded_rows
 from opd.rollout import SamplingParams
 from opd.rollout.embedded import EmbeddedEngine
@@ -246,6 +247,27 @@ def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher
     order of `batch` (`cached_logits` of a `teacher_logits_cache`); given, no teacher runs here.
     target_temperature: the KL's target is softmax(teacher logits / it): 1.0 the teacher itself, the
     sampling temperature the sharper distribution its samples were drawn from."""
+    per_seq, _, n_tok = kd_sequence_losses(policy, batch, teachers, pad_id, kernel_chunk, layout, teacher_logits,
+                                           target_temperature)
+    return per_seq.mean(), n_tok
+
+
+def capability_means(per_seq: torch.Tensor, caps: list[str]) -> dict[str, float]:
+    """Capability -> the mean of its sequences' losses in `per_seq` (detached; `kd_sequence_losses`' rows)."""
+    values = per_seq.detach().tolist()
+    out: dict[str, list[float]] = {}
+    for c, v in zip(caps, values):
+        out.setdefault(c, []).append(v)
+    return {c: sum(v) / len(v) for c, v in out.items()}
+
+
+def kd_sequence_losses(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher], pad_id: int,
+                       kernel_chunk: int = 1024, layout: Layout = "padded",
+                       teacher_logits: list[torch.Tensor] | None = None, target_temperature: float = 1.0
+                       ) -> tuple[torch.Tensor, list[str], int]:
+    """`kd_loss` per sequence: (each pair's mean KL over its completion tokens (B,), each row's capability,
+    completion tokens). The rows are in capability order (each teacher's pairs consecutive), not in the
+    order of `batch`; their mean is `kd_loss`."""
     if teacher_logits is None:
         require_models(teachers, {c for c, _ in batch})
     order = sorted(range(len(batch)), key=lambda j: batch[j][0])  # stable: each teacher's pairs are consecutive
@@ -273,7 +295,7 @@ def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher
         kl = torch.cat(parts)
     _, _, cmask, _ = pad_sequences(prompts, completions, pad_id)
     cmask = cmask.to(device)
-    return sequence_mean_loss(scatter_tokens(kl, cmask), cmask), int(cmask.sum())
+    return masked_mean(scatter_tokens(kl, cmask), cmask, dim=1), [c for c, _ in batch], int(cmask.sum())
 
 
 def sft_loss(policy, batch: list[Sample], pad_id: int, kernel_chunk: int = 1024,
