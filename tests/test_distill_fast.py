@@ -324,6 +324,7 @@ def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers
         distill(cfg.model_copy(update={"warmstart_cache_mib": budget}), student, tokenizer, teachers, routes,
                 tmp_path / f"{budget}.pt", log=logs.append)
         runs[budget] = student.state_dict()
+        assert any(m.startswith("warm start step 20/20: loss") and " count=" in m for m in logs)  # its running KL
         if budget:
             assert any("distinct samples once" in m for m in logs)
             assert len(forwards) == 1  # 16 prompts x 4 samples: one chunk, before the 20 steps

@@ -172,8 +172,8 @@ class DistillConfig(BaseModel):
     warmstart_balance: Literal["none", "d3"] = Field(
         "none", description="balancing the capabilities in the warm start's draws: 'd3' (D3-MOPD's schedule, on the "
         "teachers' samples) draws each step's pairs with share_c proportional to mix_c * clip(KL_c / mean KL, 0.25, "
-        "4), KL_c a running mean (decay 0.9 a step) of the capability's sequence KL in the steps so far; needs "
-        "warmstart_loss kl; 'none': the mix itself")
+        "4), KL_c a running mean (decay 0.9 a step) of the capability's sequence KL in the steps so far (logged every 50 "
+        "steps under warmstart_loss kl either way); needs warmstart_loss kl; 'none': the mix itself")
     report_to: ReportTo = Field("tensorboard", description=REPORT_TO_HELP)
     seed: int = 0
 

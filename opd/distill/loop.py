@@ -70,7 +70,8 @@ class DistillState:
     # its end (the retention check as step 0, fresh Adam moments) is done: a run killed after its last
     # step's checkpoint, in that check, resumes into the end, not past it
     warm_done: bool = False
-    # warmstart_balance d3: each capability's running mean sequence KL in the warm start's steps so far
+    # warmstart_loss kl: each capability's running mean sequence KL in the warm start's steps so far (what
+    # warmstart_balance d3 draws by; logged every 50 steps)
     warm_kl: dict[str, float] = field(default_factory=dict)
 
 
@@ -350,8 +351,7 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
             per_seq, caps, n_tok = kd_sequence_losses(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk,
                                                       cfg.layout, zt, cfg.warmstart_target_temperature)
             loss = per_seq.mean()
-            if cfg.warmstart_balance == "d3":
-                state.warm_kl = running_kl(state.warm_kl, capability_means(per_seq, caps))
+            state.warm_kl = running_kl(state.warm_kl, capability_means(per_seq, caps))  # d3 reads it; logged
         else:
             loss, n_tok = sft_loss(run.policy, [pair for _, pair in batch], pad_id, cfg.kernel_chunk, cfg.layout)
         optimizer_step(loss, opt, run.policy.parameters(), cfg.grad_clip, run.backward)
