@@ -196,9 +196,8 @@ def kl_scheduled_mix(mix: dict[str, float], history: list[dict], routes: Routes)
 
 
 def kl_shares(mix: dict[str, float], kl: dict[str, float]) -> dict[str, float]:
-    """share_c ∝ mix_c * clip(KL_c / mean_c KL_c, 0.25, 4) (D3-MOPD); a capability with no KL yet counts as
-    the mean, and `mix` itself while there is none."""
-    kl = {c: kl[c] for c in mix if c in kl}
+    """share_c ∝ mix_c * clip(KL_c / mean_c KL_c, 0.25, 4) (D3-MOPD; `kl`'s capabilities are among `mix`'s); a
+    capability with no KL yet counts as the mean, and `mix` itself while there is none."""
     mean = sum(kl.values()) / len(kl) if kl else 0.0
     if mean <= 0:
         return mix
