@@ -11,11 +11,18 @@ settings, fewer prompts); the cache is built once and timed; then the three step
 round-robin, --steps times each (the first two of each untimed) on the base student. Prints median wall
 ms per step, the ratios against the in-step teachers, and the cache's seconds per 1,000 samples (the
 lab12 recipe draws 12 x 4096 x 4 samples).
+
+A fourth kind runs the cached-teacher KL step under bf16 autocast (fp32 weights, gradients and
+optimizer): whether mixed precision would buy this CPU's warm start
+any time (where the CPU has AVX512-BF16 or AMX; elsewhere oneDNN's bf16 products are slower than fp32,
+see opd.distill.precision). The bench prints whether the CPU reports avx512_bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import statistics
 import time
@@ -50,7 +57,9 @@ def main() -> int:
     from opd.distill.run import load_teachers
 
     torch.set_num_threads(args.threads)
-    print(f"torch threads: {torch.get_num_threads()}")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    print(f"torch threads: {torch.get_num_threads()}; CPU avx512_bf16: {'avx512_bf16' in flags}, "
+          f"amx_bf16: {'amx_bf16' in flags}")
     tok = AutoTokenizer.from_pretrained(args.base)
     teachers, _ = load_teachers([f"{args.experts}/{c}" for c in LAB12], tok)
     routes = resolve_routes({n: t.capability for n, t in teachers.items()})
@@ -79,14 +88,16 @@ def main() -> int:
         if kind == "nll":
             loss, _ = sft_loss(policy, [p for _, p in batch], pad, 1024, "packed")
         else:
-            zt = cached_logits(cache, draws) if kind == "kl, cached teachers" else None
-            loss, _ = kd_loss(policy, batch, warm, pad, 1024, "packed", zt)
+            zt = cached_logits(cache, draws) if "cached" in kind else None
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if "bf16" in kind else contextlib.nullcontext()
+            with autocast:  # the products in bf16 (weights, grads and Adam stay fp32)
+                loss, _ = kd_loss(policy, batch, warm, pad, 1024, "packed", zt)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return time.perf_counter() - t
 
-    kinds = ["kl, in-step teachers", "kl, cached teachers", "nll"]
+    kinds = ["kl, in-step teachers", "kl, cached teachers", "nll", "kl, cached teachers, bf16 autocast"]
     times = {k: [] for k in kinds}
     for i in range(args.steps):
         for k in kinds:

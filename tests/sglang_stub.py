@@ -35,10 +35,13 @@ class Stub:
     vocab_size: the served model's. starting_s: /health answers 503 for this long after start.
     api_key: as `--api-key`. update_ok: whether /update_weights_from_disk succeeds.
     faults: test-only misbehaviours, one per request taken in turn: "hang", "trickle", "malformed",
-    "bad_ids", "long", "503", "drop", "none_inside".
+    "bad_ids", "long", "503", "drop", "none_inside", "short_top".
+    model: a causal LM whose log-probs the top-k input log-probs (`top_logprobs_num`) report; without
+    one, the top k at every position are ids 0..k-1 with log-probs -1, -2, ...
     """
 
-    def __init__(self, gen_ids: list[int], vocab_size: int, starting_s: float = 0.0, api_key: str | None = None):
+    def __init__(self, gen_ids: list[int], vocab_size: int, starting_s: float = 0.0, api_key: str | None = None,
+                 model=None):
         self.gen_ids = list(gen_ids)
         self.vocab_size = vocab_size
         self.started = time.monotonic()
@@ -49,8 +52,20 @@ class Stub:
         self.requests: list[tuple[str, dict]] = []
         self.headers: list[dict] = []
         self.stop = threading.Event()
+        self.model = model
 
-    def one_generate(self, ids: list[int], sp: dict, return_logprob: bool, start: int) -> dict:
+    def top_at(self, ids: list[int], k: int) -> list[list]:
+        """The top k [logprob, token_id, None] at each position p of `ids`, predicting ids[p + 1]."""
+        if self.model is None:
+            return [[[-1.0 - r, r, None] for r in range(k)] for _ in ids]
+        import torch
+
+        with torch.no_grad():
+            lp = torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), -1)  # (L, V)
+        vals, idx = lp.topk(k, -1)  # most likely first: python/sglang/srt/layers/logits_processor.py get_top_logprobs (all_logprobs.topk)
+        return [[[v, i, None] for v, i in zip(vs, ix)] for vs, ix in zip(vals.tolist(), idx.tolist())]
+
+    def one_generate(self, ids: list[int], sp: dict, return_logprob: bool, start: int, top: int = 0) -> dict:
         max_new = sp.get("max_new_tokens", 128)  # SamplingParams default (sampling/sampling_params.py)
         gen = self.gen_ids[:max_new]
         meta = {"id": "stub", "prompt_tokens": len(ids), "completion_tokens": len(gen), "cached_tokens": 0,
@@ -64,6 +79,13 @@ class Stub:
             vals = [None] + [-0.1 * p for p in range(start + 1, len(ids))] if start < len(ids) else []
             idx = [t if t < self.vocab_size - 1 else 0 for t in ids[start:]]
             meta["input_token_logprobs"] = [[v, t, None] for v, t in zip(vals, idx)]
+            if top > 0:
+                # `_process_input_top_logprobs` (same file): [None], then the positions start .. len(ids)-2,
+                # each the top k predicting the next input token (the last position's, which predicts
+                # the first output token, popped); tokenizer_manager.py detokenize_top_logprobs_tokens
+                # makes each position a list of (logprob, token_id, text|None), None left as None.
+                at = self.top_at(ids, top)
+                meta["input_top_logprobs"] = [None] + at[start: len(ids) - 1] if start < len(ids) else []
         return {"text": "", "output_ids": gen, "meta_info": meta}
 
     def generate(self, body: dict) -> tuple[int, object]:
@@ -94,7 +116,8 @@ class Stub:
                 return 400, {"error": {"message": f"req.logprob_start_len={start} is higher than the number of "
                                                   f"input tokens len(req.origin_input_ids)={len(ids)}. "
                                                   "Please use a smaller logprob_start_len."}}
-            out.append(self.one_generate(ids, sp, return_logprob, start))
+            top = int(per(body.get("top_logprobs_num", 0), k) or 0)  # GenerateReqInput: int or one per input
+            out.append(self.one_generate(ids, sp, return_logprob, start, top))
         return 200, out[0] if single else out
 
     def update_weights(self, body: dict) -> tuple[int, dict]:
@@ -173,6 +196,10 @@ def serve(stub: Stub, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPSe
             elif fault == "long":
                 for r in results:
                     r["meta_info"]["output_token_logprobs"] *= 50
+            elif fault == "short_top":
+                for r in results:
+                    for pos in r["meta_info"].get("input_top_logprobs", [])[1:]:
+                        pos.pop()
             elif fault == "none_inside":
                 for r in results:
                     for e in r["meta_info"].get("input_token_logprobs", [])[1:]:

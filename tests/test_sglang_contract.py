@@ -81,7 +81,7 @@ FIELDS = {
 @pytest.fixture
 def sent(tokenizer, pico_model, tmp_path) -> dict[str, list[dict]]:
     """The bodies of every kind of request opd makes: generate (sampled and greedy, with top-k),
-    score (with an empty completion among others) and a weight update."""
+    score (with an empty completion among others), top-k scoring and a weight update."""
     stub = Stub(tokenizer("7\n", add_special_tokens=False).input_ids, pico_model.config.vocab_size)
     server = serve(stub)
     try:
@@ -90,6 +90,7 @@ def sent(tokenizer, pico_model, tmp_path) -> dict[str, list[dict]]:
         eng.generate(["1+6=", "3+4="], n=2, params=SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5))
         eng.generate(["1+6="], n=1, params=SamplingParams(temperature=0.0, top_k=5, max_new_tokens=3))
         eng.score([[5, 6, 7], [8], [9]], [[9, 10], [11, 12, 13], []])
+        eng.top_logprobs([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], 4)
         eng.sync_weights(tmp_path)
     finally:
         stub.stop.set()
@@ -98,7 +99,7 @@ def sent(tokenizer, pico_model, tmp_path) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for path, body in stub.requests:
         out.setdefault(path, []).append(body)
-    assert sorted(out) == ["/generate", "/update_weights_from_disk"] and len(out["/generate"]) == 3
+    assert sorted(out) == ["/generate", "/update_weights_from_disk"] and len(out["/generate"]) == 4
     return out
 
 
@@ -114,6 +115,8 @@ def check_bodies(sent: dict[str, list[dict]], fields: dict[str, list[str]], vers
         assert all(isinstance(t, int) for t in sp.get("stop_token_ids", []))
         ids = body["input_ids"]
         assert ids and all(isinstance(row, list) and row and all(isinstance(t, int) for t in row) for row in ids)
+        if "top_logprobs_num" in body:  # GenerateReqInput: an int, or one per input (io_struct.py)
+            assert isinstance(body["top_logprobs_num"], int) and body["top_logprobs_num"] >= 1
         if "logprob_start_len" in body:
             # scheduler.py handle_generate_request: a start at or past the input's end is refused.
             starts = body["logprob_start_len"]

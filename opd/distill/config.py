@@ -158,6 +158,12 @@ class DistillConfig(BaseModel):
     warmstart_target_temperature: float = Field(
         1.0, gt=0, description="with warmstart_loss kl: the temperature of the teacher's distribution that each token's "
         "KL targets: 1.0 its own; warmstart_temperature's value the sharper one that drew its samples")
+    warmstart_topk: int | None = Field(
+        None, ge=1, description="with warmstart_loss kl: the KL at each token over the teacher's K most likely tokens "
+        "and one tail bucket with the rest of each side's mass (an exact KL between the two (K+1)-way coarsenings, "
+        "never above the full one; K >= the vocabulary is the full KL): the cache holds 8 x K bytes a token instead "
+        "of 4 x vocab, and teachers on SGLang servers (teacher_servers), which return top-K log-probs and not the "
+        "full vocabulary, can be distilled from; None: the full vocabulary (in-process teachers only)")
     warmstart_cache_mib: int = Field(
         4096, ge=0, description="with warmstart_loss kl: the most host memory (MiB) that the teachers' logits at every "
         "token of their distinct warm-start samples may take; within it each teacher scores each distinct sample once, "
@@ -211,6 +217,12 @@ class DistillConfig(BaseModel):
         if self.warmstart_target_temperature != 1.0 and self.warmstart_loss != "kl":
             raise ValueError("warmstart_target_temperature is the temperature of warmstart_loss kl's target: set "
                              "warmstart_loss: kl, or leave warmstart_target_temperature at 1.0")
+        if self.warmstart_topk is not None and self.warmstart_loss != "kl":
+            raise ValueError("warmstart_topk is the support of warmstart_loss kl's target: set warmstart_loss: kl, or "
+                             "remove warmstart_topk")
+        if self.warmstart_topk is not None and self.warmstart_target_temperature != 1.0:
+            raise ValueError("warmstart_target_temperature rescales the teacher's full logits, which warmstart_topk "
+                             "does not keep: leave warmstart_target_temperature at 1.0, or remove warmstart_topk")
         if self.warmstart_balance == "d3" and self.warmstart_loss != "kl":
             raise ValueError("warmstart_balance d3 schedules the capabilities by their KL to the teacher: set "
                              "warmstart_loss: kl, or warmstart_balance: none")
@@ -292,6 +304,11 @@ class DistillRun(BaseModel):
                     raise ValueError(f"teachers.{i}.tasks: {e}") from None
         if self.student_merge is not None and self.student != "base":
             raise ValueError("give student (a model directory) or student_merge, not both")
+        d = self.distill
+        if self.teacher_servers and d.warmstart_loss == "kl" and d.warmstart_steps > 0 and d.warmstart_topk is None:
+            raise ValueError("warmstart_loss kl reads each teacher's full distribution, which teacher_servers do not "
+                             "return: set distill.warmstart_topk: K (their top-K log-probs and a tail bucket), or "
+                             "use warmstart_loss: nll")
         if self.teacher_servers and self.distill.estimator in ("full", "topk"):
             raise ValueError(f"the {self.distill.estimator} estimator reads teachers' hidden states in process; "
                              "teacher_servers only return sampled-token log-probs: use estimator 'sampled'")

@@ -140,7 +140,7 @@ RESUMABLE_FIELDS = {"steps", "checkpoint_every", "eval_every", "eval_limit", "re
                     "teachers_on", "teacher_actors",  # where teachers score: the same targets to float rounding
                     "warmstart_cache_mib"}  # when the warm start's teachers score: the same targets too
 # Fields added after runs had checkpoints: left unset they stay out of the identity, so those resume.
-UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_every")
+UNSET_LATER_FIELDS = ("topk", "capability_weights", "inference_dtype", "compact_every", "warmstart_topk")
 # Fields added after runs had checkpoints, whose default is what those runs did: left at it, they
 # stay out of the identity too.
 DEFAULTED_LATER_FIELDS = {"layout": "padded", "sample_ahead": False, "verifier": "capability",
@@ -289,16 +289,19 @@ def _teacher_cache(run: _Run, samples: dict[str, list[Sample]], warm_teachers: d
     fit `warmstart_cache_mib`, else None (each step runs its teachers). Not checkpointed: a resumed run
     recomputes it from the checkpointed samples."""
     cfg = run.cfg
-    vocab = lm_head_weight(next(iter(warm_teachers.values())).model).shape[0]
-    mib = cache_bytes(samples, vocab) / 2**20
+    model = next((t.model for t in warm_teachers.values() if t.model is not None), None)
+    vocab = lm_head_weight(model).shape[0] if model is not None else cfg.warmstart_topk  # servers: K a token
+    mib = cache_bytes(samples, vocab, cfg.warmstart_topk) / 2**20
     if mib > cfg.warmstart_cache_mib:
-        run.log(f"warm start: the teachers' logits would take {mib:,.0f} MiB, over warmstart_cache_mib "
+        what = "logits" if cfg.warmstart_topk is None else f"top-{cfg.warmstart_topk} log-probs"
+        run.log(f"warm start: the teachers' {what} would take {mib:,.0f} MiB, over warmstart_cache_mib "
                 f"{cfg.warmstart_cache_mib}: each step runs its teachers")
         return None
     t0 = time.time()
-    cache = teacher_logits_cache(samples, warm_teachers, pad_id, cfg.layout)
+    cache = teacher_logits_cache(samples, warm_teachers, pad_id, cfg.layout, topk=cfg.warmstart_topk)
     n = sum(len(offsets) - 1 for _, offsets, _ in cache.values())
-    run.log(f"warm start: the teachers scored their {n:,} distinct samples once ({mib:,.0f} MiB of logits, "
+    what = "logits" if cfg.warmstart_topk is None else f"top-{cfg.warmstart_topk} log-probs"
+    run.log(f"warm start: the teachers scored their {n:,} distinct samples once ({mib:,.0f} MiB of {what}, "
             f"{time.time() - t0:.0f} s)")
     return cache
 
@@ -311,7 +314,7 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
     cfg, state, opt = run.cfg, run.state, run.opt
     warm_teachers = main_teachers(teachers, routes)
     if cfg.warmstart_loss == "kl":  # before any sampling
-        require_models(warm_teachers, warm_teachers)
+        require_models(warm_teachers, warm_teachers, cfg.warmstart_topk)
     # the live bar's note (opd.distill.bar), where the progress callback has one
     status = getattr(run.progress, "status", None) or (lambda _text: None)
     if state.warm_samples is None:
@@ -348,7 +351,8 @@ def _warm_start(run: _Run, teachers: dict[str, Teacher], routes: Routes, mix: di
         if cfg.warmstart_loss == "kl":
             zt = cached_logits(cache, draws) if cache is not None else None
             per_seq, caps, n_tok = kd_sequence_losses(run.policy, batch, warm_teachers, pad_id, cfg.kernel_chunk,
-                                                      cfg.layout, zt, cfg.warmstart_target_temperature)
+                                                      cfg.layout, zt, cfg.warmstart_target_temperature,
+                                                      cfg.warmstart_topk)
             loss = per_seq.mean()
             state.warm_kl = running_kl(state.warm_kl, capability_means(per_seq, caps))  # d3 reads it; logged
         else:

@@ -15,7 +15,11 @@ reads no reward and needs no answer format (the utility is a similarity of token
 
 With `loss: kl` (`kd_loss`, word-level KD) each token's target is the teacher's whole distribution. The
 samples are fixed for the whole warm start, so `teacher_logits_cache` scores each teacher over all of its
-samples once, in large batches, where they fit in memory, and a step then runs the student alone.
+samples once, in large batches, where they fit in memory, and a step then runs the student alone. With
+`topk` K the target at each token is the teacher's K most likely tokens and a tail bucket
+(`teacher_topk_reverse_kl`): K log-probs a token to hold instead of the vocabulary's, and what a teacher
+on an SGLang server returns (`SGLangEngine.top_logprobs`), so the KL warm start runs at a real
+vocabulary and with teachers that are not in this process.
 """
 
 from __future__ import annotations
@@ -23,19 +27,21 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from difflib import SequenceMatcher
 from itertools import accumulate, groupby
 from typing import Literal
 
 import torch
 from opd_kernels import reverse_kl, selective_log_softmax
+from torch.utils.checkpoint import checkpoint
 
 from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
 from opd.distill.teachers import Teacher, lm_head_weight
 from opd.errors import OpdError
 from opd.rl.batch import completion_targets, pad_sequences
-from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss
+from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss, teacher_topk_reverse_kl
 from opd.rl.gspo_loss import masked_mean
 from opd.rl.packing import Layout, hidden_at, lay_out, padded_rows
 from opd.rollout import SamplingParams
@@ -164,10 +170,29 @@ def draw_sft(samples: dict[str, list[Sample]], mix: dict[str, float], rng: rando
     return out
 
 
-# capability -> (the teacher's logits at every completion token of its distinct samples: (T, V) float32 on
-# the CPU; the row offsets of those distinct samples, one more than them; each sample's distinct one):
-# sample i is rows offsets[which[i]]:offsets[which[i] + 1]
-TeacherLogits = dict[str, tuple[torch.Tensor, list[int], list[int]]]
+@dataclass(frozen=True)
+class TopLogprobs:
+    """A teacher's k most likely tokens at each of T completion tokens: ids (T, k) int32 and their
+    log-probs (T, k) float32, on the CPU; sliced and concatenated as one (T, ...) tensor would be."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    def __getitem__(self, rows: slice) -> TopLogprobs:
+        return TopLogprobs(self.ids[rows], self.logprobs[rows])
+
+    @staticmethod
+    def cat(parts: list[TopLogprobs]) -> TopLogprobs:
+        return TopLogprobs(torch.cat([p.ids for p in parts]), torch.cat([p.logprobs for p in parts]))
+
+
+# What a teacher gives at each completion token: its logits (T, V) float32 on the CPU, or its top k.
+Targets = torch.Tensor | TopLogprobs
+
+# capability -> (the teacher's targets at every completion token of its distinct samples; the row offsets
+# of those distinct samples, one more than them; each sample's distinct one): sample i is rows
+# offsets[which[i]]:offsets[which[i] + 1]
+TeacherLogits = dict[str, tuple[Targets, list[int], list[int]]]
 
 
 def distinct(pairs: list[Sample]) -> tuple[list[Sample], list[int]]:
@@ -179,39 +204,68 @@ def distinct(pairs: list[Sample]) -> tuple[list[Sample], list[int]]:
     return [(list(p), list(c)) for p, c in first], which
 
 
-def cache_bytes(samples: dict[str, list[Sample]], vocab: int) -> int:
+def cache_bytes(samples: dict[str, list[Sample]], vocab: int, topk: int | None = None) -> int:
     """Bytes `teacher_logits_cache` would hold: float32 logits at every completion token of the
-    distinct samples."""
-    return 4 * vocab * sum(len(c) for pairs in samples.values() for _, c in distinct(pairs)[0])
+    distinct samples, or with `topk` K int32 ids and float32 log-probs of K tokens."""
+    per_token = 4 * vocab if topk is None else 8 * min(topk, vocab)
+    return per_token * sum(len(c) for pairs in samples.values() for _, c in distinct(pairs)[0])
 
 
-@torch.no_grad()
+def teacher_targets(teacher: Teacher, pairs: list[Sample], pad_id: int, layout: Layout = "padded",
+                    chunk: int = 512, topk: int | None = None) -> Targets:
+    """The teacher's targets at every completion token of `pairs`, in order, `chunk` pairs per forward: its
+    logits (T, V), or with `topk` K its K most likely tokens and their log-probs (`TopLogprobs`). An
+    in-process teacher runs its model; one without (an SGLang server) answers `top_logprobs`, which
+    needs `topk`."""
+    if teacher.model is None:
+        if topk is None or not hasattr(teacher.engine, "top_logprobs"):
+            raise OpdError(f"teacher {teacher.name!r} has no in-process model and its engine returns no top-k "
+                           "log-probs: the KL warm start needs one of them")
+        k = min(topk, getattr(teacher.engine, "vocab_size", topk))  # what the engine returns (SGLangEngine's cap)
+        parts = []
+        for s in range(0, len(pairs), chunk):
+            sub = pairs[s: s + chunk]
+            for ids, lps in teacher.engine.top_logprobs([p for p, _ in sub], [c for _, c in sub], topk):
+                parts.append(TopLogprobs(torch.tensor(ids, dtype=torch.int32).reshape(-1, k),
+                                         torch.tensor(lps, dtype=torch.float32).reshape(-1, k)))
+        return TopLogprobs.cat(parts)
+    model = teacher.model
+    device, W = next(model.parameters()).device, lm_head_weight(model).float()
+    parts = []
+    with torch.no_grad():
+        for s in range(0, len(pairs), chunk):
+            sub = pairs[s: s + chunk]
+            rows = lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device)
+            z = hidden_at(model, rows, last_mlp_at_index=True).float() @ W.T  # (t, V)
+            if topk is None:
+                parts.append(z.cpu())
+            else:
+                lp, ids = torch.log_softmax(z, -1).topk(min(topk, z.shape[-1]), -1)
+                parts.append(TopLogprobs(ids.int().cpu(), lp.cpu()))
+    return torch.cat(parts) if topk is None else TopLogprobs.cat(parts)
+
+
 def teacher_logits_cache(samples: dict[str, list[Sample]], teachers: dict[str, Teacher], pad_id: int,
-                         layout: Layout = "padded", chunk: int = 512) -> TeacherLogits:
-    """Each capability's teacher (`teachers`: capability -> Teacher with an in-process model) scored once
-    over its distinct samples, `chunk` pairs per forward: the same logits (to float rounding) that
+                         layout: Layout = "padded", chunk: int = 512, topk: int | None = None) -> TeacherLogits:
+    """Each capability's teacher (`teachers`: capability -> Teacher) scored once over its distinct
+    samples (`teacher_targets`, `chunk` pairs per forward): the same targets (to float rounding) that
     `kd_loss` would compute at each step's few pairs, so the warm start's steps cost the student's
     forward and backward alone, and the teachers run in large batches. The samples are fixed for the
     whole warm start (off-policy), so nothing goes stale."""
-    require_models(teachers, [c for c in samples if samples[c]])
+    require_models(teachers, [c for c in samples if samples[c]], topk)
     out: TeacherLogits = {}
     for cap, pairs in samples.items():
         if not pairs:
             continue
-        model = teachers[cap].model
-        device, W = next(model.parameters()).device, lm_head_weight(model).float()
         unique, which = distinct(pairs)
-        parts = []
-        for s in range(0, len(unique), chunk):
-            sub = unique[s: s + chunk]
-            rows = lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device)
-            parts.append((hidden_at(model, rows, last_mlp_at_index=True).float() @ W.T).cpu())
-        out[cap] = (torch.cat(parts), list(accumulate((len(c) for _, c in unique), initial=0)), which)
+        targets = teacher_targets(teachers[cap], unique, pad_id, layout, chunk, topk)
+        out[cap] = (targets, list(accumulate((len(c) for _, c in unique), initial=0)), which)
     return out
 
 
-def cached_logits(cache: TeacherLogits, draws: list[tuple[str, int]]) -> list[torch.Tensor]:
-    """The cached teacher logits of each draw's completion tokens: (len(completion), V) each."""
+def cached_logits(cache: TeacherLogits, draws: list[tuple[str, int]]) -> list[Targets]:
+    """The cached teacher targets of each draw's completion tokens: (len(completion), V) logits each, or
+    their top k."""
     out = []
     for c, i in draws:
         logits, offsets, which = cache[c]
@@ -224,31 +278,38 @@ def main_teachers(teachers: dict[str, Teacher], routes: Routes) -> dict[str, Tea
     return {cap: teachers[max(sorted(ts), key=ts.get)] for cap, ts in routes.items()}
 
 
-def require_models(teachers: dict[str, Teacher], caps) -> None:
-    """Refuse `warmstart_loss: kl` when a capability in `caps` has no in-process teacher model."""
-    missing = sorted(c for c in caps if teachers[c].model is None)
+def require_models(teachers: dict[str, Teacher], caps, topk: int | None = None) -> None:
+    """Refuse `warmstart_loss: kl` when a capability in `caps` has no in-process teacher model (with `topk`,
+    nor an engine that returns top-k log-probs, as an SGLang server's does)."""
+    missing = sorted(c for c in caps if teachers[c].model is None
+                     and (topk is None or not hasattr(teachers[c].engine, "top_logprobs")))
     if missing:
-        raise OpdError(f"warmstart_loss: kl needs in-process teacher models (the full vocabulary), but the "
-                       f"teacher of {', '.join(missing)} has none (teachers_on: ray, or a server): use "
-                       "warmstart_loss: nll")
+        fix = ("use warmstart_loss: nll" if topk is not None else
+               "set warmstart_topk: K (a server's top-K log-probs and a tail bucket), or use warmstart_loss: nll")
+        raise OpdError(f"warmstart_loss: kl needs in-process teacher models (the full vocabulary)"
+                       f"{' or top-k log-probs' if topk is not None else ''}, but the teacher of "
+                       f"{', '.join(missing)} has none (teachers_on: ray, or a server): {fix}")
 
 
 def kd_loss(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher], pad_id: int,
             kernel_chunk: int = 1024, layout: Layout = "padded",
-            teacher_logits: list[torch.Tensor] | None = None, target_temperature: float = 1.0
-            ) -> tuple[torch.Tensor, int]:
+            teacher_logits: list[Targets] | None = None, target_temperature: float = 1.0,
+            topk: int | None = None) -> tuple[torch.Tensor, int]:
     """Word-level distillation on teacher samples (`warmstart_loss: kl`): at every completion token of
     each pair, the exact KL(student || teacher) over the full vocabulary to its capability's teacher
     (`teachers`: capability -> Teacher with an in-process model), the per-token target of the `full`
     OPD estimator, here on the teacher's own samples; mean over each sequence's tokens, then over
     sequences, as `sft_loss`. Returns (loss, completion tokens).
 
-    teacher_logits: each pair's teacher logits at its completion tokens, (len(completion), V) in the
-    order of `batch` (`cached_logits` of a `teacher_logits_cache`); given, no teacher runs here.
+    teacher_logits: each pair's teacher targets at its completion tokens, (len(completion), V) logits or
+    their `TopLogprobs`, in the order of `batch` (`cached_logits` of a `teacher_logits_cache`); given, no
+    teacher runs here.
     target_temperature: the KL's target is softmax(teacher logits / it): 1.0 the teacher itself, the
-    sampling temperature the sharper distribution its samples were drawn from."""
+    sampling temperature the sharper distribution its samples were drawn from (full logits only).
+    topk: K: the KL over the teacher's K most likely tokens and a tail bucket (`teacher_topk_reverse_kl`),
+    from an in-process teacher or one that returns top-k log-probs (an SGLang server)."""
     per_seq, _, n_tok = kd_sequence_losses(policy, batch, teachers, pad_id, kernel_chunk, layout, teacher_logits,
-                                           target_temperature)
+                                           target_temperature, topk)
     return per_seq.mean(), n_tok
 
 
@@ -263,13 +324,13 @@ def capability_means(per_seq: torch.Tensor, caps: list[str]) -> dict[str, float]
 
 def kd_sequence_losses(policy, batch: list[tuple[str, Sample]], teachers: dict[str, Teacher], pad_id: int,
                        kernel_chunk: int = 1024, layout: Layout = "padded",
-                       teacher_logits: list[torch.Tensor] | None = None, target_temperature: float = 1.0
-                       ) -> tuple[torch.Tensor, list[str], int]:
+                       teacher_logits: list[Targets] | None = None, target_temperature: float = 1.0,
+                       topk: int | None = None) -> tuple[torch.Tensor, list[str], int]:
     """`kd_loss` per sequence: (each pair's mean KL over its completion tokens (B,), each row's capability,
     completion tokens). The rows are in capability order (each teacher's pairs consecutive), not in the
     order of `batch`; their mean is `kd_loss`."""
     if teacher_logits is None:
-        require_models(teachers, {c for c, _ in batch})
+        require_models(teachers, {c for c, _ in batch}, topk)
     order = sorted(range(len(batch)), key=lambda j: batch[j][0])  # stable: each teacher's pairs are consecutive
     batch = [batch[j] for j in order]
     pairs = [pair for _, pair in batch]
@@ -278,7 +339,14 @@ def kd_sequence_losses(policy, batch: list[tuple[str, Sample]], teachers: dict[s
     laid = lay_out(prompts, completions, pad_id, layout).to(device)
     h = policy(laid.ids, laid.mask, laid.pos, laid.index)  # (N, H), the pairs' tokens in order
     W = lm_head_weight(policy.lm)
-    if teacher_logits is not None:
+    if topk is not None:
+        if teacher_logits is not None:
+            top = TopLogprobs.cat([teacher_logits[j] for j in order])
+        else:
+            top = TopLogprobs.cat([teacher_targets(teachers[cap], [pair for c, pair in batch if c == cap], pad_id,
+                                                   layout, topk=topk) for cap in dict.fromkeys(c for c, _ in batch)])
+        kl = topk_kl(h, W, top.ids.to(device), top.logprobs.to(device), kernel_chunk)
+    elif teacher_logits is not None:
         zt = torch.cat([teacher_logits[j] for j in order]).to(device) / target_temperature  # (N, V)
         kl = reverse_kl(h, W, teacher_logits=zt, chunk_size=kernel_chunk)
     else:
@@ -296,6 +364,18 @@ def kd_sequence_losses(policy, batch: list[tuple[str, Sample]], teachers: dict[s
     _, _, cmask, _ = pad_sequences(prompts, completions, pad_id)
     cmask = cmask.to(device)
     return masked_mean(scatter_tokens(kl, cmask), cmask, dim=1), [c for c, _ in batch], int(cmask.sum())
+
+
+def topk_kl(h: torch.Tensor, W: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`teacher_topk_reverse_kl` of the student's hidden states h (N, H) under its head W (V, H) against the
+    teacher's top tokens (N, k), `chunk` tokens at a time, each chunk's (c, V) logits recomputed in backward
+    (checkpointed), so memory stays at one chunk's, as in the full kernels: (N,)."""
+    parts = []
+    for s in range(0, h.shape[0], chunk):
+        e = min(s + chunk, h.shape[0])
+        parts.append(checkpoint(lambda hc, w_, i, lp: teacher_topk_reverse_kl(hc.float() @ w_.float().T, i, lp),
+                                h[s:e], W, top_ids[s:e], top_lp[s:e], use_reentrant=False))
+    return torch.cat(parts) if parts else h.new_zeros(0)
 
 
 def sft_loss(policy, batch: list[Sample], pad_id: int, kernel_chunk: int = 1024,

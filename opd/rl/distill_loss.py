@@ -72,15 +72,54 @@ def topk_reverse_kl(student_logits: torch.Tensor, teacher_lp: torch.Tensor, k: i
     lt = teacher_lp.float()
     k = min(k, ls.shape[-1])
     top = ls.detach().topk(k, -1).indices  # (N, k)
-    ls_top, lt_top = ls.gather(-1, top), lt.gather(-1, top)  # (N, k)
-    kl = (ls_top.exp() * (ls_top - lt_top)).sum(-1)
     if k == ls.shape[-1]:
-        return kl
+        return _coarse_reverse_kl(ls, top, lt.gather(-1, top), None)
     in_top = torch.zeros_like(ls, dtype=torch.bool).scatter(-1, top, True)  # (N, V)
     # the tail's log-mass as a logsumexp over the other tokens, not log(1 - sum of the top), which
     # loses every digit when the top holds nearly all the mass
-    ls_tail = ls.masked_fill(in_top, float("-inf")).logsumexp(-1)  # (N,)
     lt_tail = lt.masked_fill(in_top, float("-inf")).logsumexp(-1)
+    return _coarse_reverse_kl(ls, top, lt.gather(-1, top), lt_tail, in_top)
+
+
+# The teacher's tail mass below which `teacher_topk_reverse_kl` treats it as this floor: a server's top-k
+# log-probs (rounded, often from bf16) can sum past 1, which leaves no tail to take the log of.
+TAIL_FLOOR = 1e-12
+
+
+def teacher_topk_reverse_kl(student_logits: torch.Tensor, top_ids: torch.Tensor, teacher_top_lp: torch.Tensor
+                            ) -> torch.Tensor:
+    """Reverse KL over the *teacher's* top-k tokens plus one tail bucket: (N, V), (N, k), (N, k) -> (N,).
+
+    What a teacher that returns only its k most likely tokens per position allows (an SGLang server's
+    `top_logprobs_num`, or a cache of k log-probs a token instead of V): both distributions are
+    coarsened to those k tokens and one bucket with the rest, the student's tail as a logsumexp over
+    its other tokens, the teacher's as 1 - the sum of its top k (floored at TAIL_FLOOR). An exact KL
+    between two (k+1)-way distributions, so never above the full KL and 0 where they agree on the
+    teacher's top tokens and the tail; with k = V (every token) it is the full-vocabulary KL.
+
+    student_logits: differentiable; top_ids: the teacher's k token ids per position (distinct);
+    teacher_top_lp: its normalised log-probs of them (a constant).
+    """
+    ls = torch.log_softmax(student_logits.float(), -1)  # (N, V)
+    top, lt_top = top_ids.long(), teacher_top_lp.float()
+    if top.shape[-1] >= ls.shape[-1]:
+        return _coarse_reverse_kl(ls, top, lt_top, None)
+    in_top = torch.zeros_like(ls, dtype=torch.bool).scatter(-1, top, True)  # (N, V)
+    # log(1 - sum exp(lt_top)) through expm1, precise where the top holds nearly all the mass
+    lt_tail = torch.log((-torch.expm1(lt_top.logsumexp(-1))).clamp_min(TAIL_FLOOR))
+    return _coarse_reverse_kl(ls, top, lt_top, lt_tail, in_top)
+
+
+def _coarse_reverse_kl(ls: torch.Tensor, top: torch.Tensor, lt_top: torch.Tensor, lt_tail: torch.Tensor | None,
+                       in_top: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(student || teacher) between the (k+1)-way coarsenings onto the tokens `top` (N, k) and one tail
+    bucket: ls the student's log-probs (N, V), lt_top the teacher's at `top`, lt_tail its tail's
+    log-mass (N,) (None: `top` covers the vocabulary, no tail); in_top marks `top` in (N, V)."""
+    ls_top = ls.gather(-1, top)  # (N, k)
+    kl = (ls_top.exp() * (ls_top - lt_top)).sum(-1)
+    if lt_tail is None:
+        return kl
+    ls_tail = ls.masked_fill(in_top, float("-inf")).logsumexp(-1)  # (N,)
     return kl + ls_tail.exp() * (ls_tail - lt_tail)
 
 

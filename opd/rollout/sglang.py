@@ -10,6 +10,8 @@ in python/sglang/srt/managers/io_struct.py and sampling/sampling_params.py; chec
   "logprob_start_len": [k, ...]} -> one object per input, in input order, with
   meta_info.output_token_logprobs and meta_info.input_token_logprobs, each a list of
   [logprob, token_id, text|null].
+- The same with "top_logprobs_num": k (teacher top-k scoring, `top_logprobs`) -> also
+  meta_info.input_top_logprobs, one list of k [logprob, token_id, text] per position (None at the first).
 - POST /update_weights_from_disk {"model_path": dir} -> {"success", "message", ...}; HTTP 400 on failure.
 - GET /health -> 503 while the server starts, then 200.
 
@@ -301,6 +303,60 @@ class SGLangEngine:
                 raise OpdError(f"sglang server {self.base_url}: input_token_logprobs of completion {k} hold None "
                                "inside the completion (a server that does not pad position logprob_start_len?)")
             out[k] = [_logprob(e[0], self.base_url, f"completion {k}") for e in tail]
+        return out
+
+    def top_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], k: int
+                     ) -> list[tuple[list[list[int]], list[list[float]]]]:
+        """The server's k most likely tokens and their temperature-1 log-probs at each completion token's
+        position, teacher-forced: per completion, (ids, logprobs), one list of k per token (in the server's
+        order, most likely first). One prefill-only request, as `score`, with top_logprobs_num k.
+
+        meta_info.input_top_logprobs lines up with input_token_logprobs: entry 0 (position
+        logprob_start_len) is None and entry j > 0 holds the top k at the position that predicts
+        ids[start + j], each [logprob, token_id, text] (`_process_input_top_logprobs` in
+        python/sglang/srt/managers/scheduler_output_processor_mixin.py: `[None]` then the positions,
+        the last popped; `detokenize_top_logprobs_tokens` in python/sglang/srt/managers/tokenizer_manager.py
+        turns each position into (logprob, token_id, text|None) tuples and leaves None as None)."""
+        if len(prompt_ids) != len(completion_ids):
+            raise ValueError(f"top_logprobs: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("top_logprobs: every prompt needs at least one token to condition on")
+        k = min(int(k), self.vocab_size)
+        out: list[tuple[list[list[int]], list[list[float]]]] = [([], []) for _ in completion_ids]
+        rows = [j for j, c in enumerate(completion_ids) if len(c) > 0]
+        if not rows:
+            return out
+        for j in rows:
+            for t in list(prompt_ids[j]) + list(completion_ids[j]):
+                self._check_id(int(t), f"top_logprobs: input {j}")
+        payload = {
+            "input_ids": [list(prompt_ids[j]) + list(completion_ids[j]) for j in rows],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": [len(prompt_ids[j]) - 1 for j in rows],
+            "top_logprobs_num": k,
+        }
+        where = f"sglang server {self.base_url}"
+        for j, res in zip(rows, self._generate_request(payload), strict=True):
+            n = len(completion_ids[j])
+            meta = res.get("meta_info") if isinstance(res, dict) else None
+            tops = meta.get("input_top_logprobs") if isinstance(meta, dict) else None
+            if not isinstance(tops, list) or len(tops) != n + 1:
+                got = f"{len(tops)} entries" if isinstance(tops, list) else "none"
+                raise OpdError(f"{where}: meta_info.input_top_logprobs of completion {j} has {got} for its {n} "
+                               "tokens after the prompt's last (was top_logprobs_num sent?)")
+            ids, lps = [], []
+            for t, pos in enumerate(tops[1:]):
+                if not isinstance(pos, list) or len(pos) != k or not all(
+                        isinstance(e, list | tuple) and len(e) >= 2 and isinstance(e[1], int) for e in pos):
+                    raise OpdError(f"{where}: meta_info.input_top_logprobs of completion {j}, token {t}, is not "
+                                   f"{k} [logprob, token_id, text] entries")
+                ids.append([self._check_id(e[1], f"{where}: completion {j}'s top log-probs") for e in pos])
+                lps.append([_logprob(e[0], self.base_url, f"completion {j}'s top log-probs") for e in pos])
+                if len(set(ids[-1])) != k:
+                    raise OpdError(f"{where}: meta_info.input_top_logprobs of completion {j}, token {t}, repeats a "
+                                   "token id")
+            out[j] = (ids, lps)
         return out
 
     def sync_weights(self, model) -> None:

@@ -1,0 +1,202 @@
+"""The KL warm start over the teacher's top-k tokens and a tail bucket (`distill.warmstart_topk`): the
+loss itself, SGLang's top-k input log-probs (tests/sglang_stub.py copies the server's format from its
+source and, given a model, reports that model's log-probs), and a warm start whose teacher is on a
+server matching the same teacher in process."""
+
+from __future__ import annotations
+
+import copy
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from opd_kernels import reverse_kl_from_logits
+from sglang_stub import Stub, serve
+from test_merge_fakes import build_fake_lab
+
+import opd.distill.loop as loop
+from opd.distill.config import DistillConfig, load_run
+from opd.distill.loop import distill
+from opd.distill.offpolicy import TopLogprobs, teacher_logits_cache, teacher_targets
+from opd.distill.routing import resolve_routes
+from opd.distill.teachers import Teacher, embedded_teacher
+from opd.errors import OpdError
+from opd.rl.distill_loss import teacher_topk_reverse_kl
+from opd.rollout import get_engine
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_teacher_topk_kl_is_the_full_kl_at_the_whole_vocabulary_and_grows_with_k_up_to_it():
+    torch.manual_seed(0)
+    V = 13
+    zs = torch.randn(7, V, requires_grad=True)
+    zt = 2 * torch.randn(7, V)
+    lt = torch.log_softmax(zt, -1)
+    full = reverse_kl_from_logits(zs, zt)
+    (g_full,) = torch.autograd.grad(full.sum(), zs)
+    prev = torch.zeros(7)
+    for k in range(1, V + 1):
+        lp, ids = lt.topk(k, -1)
+        kl = teacher_topk_reverse_kl(zs, ids, lp)
+        # a coarsening of both distributions: never negative, never above the full KL, and each k + 1
+        # refines k's partition (the teacher's top k + 1 hold its top k), so the KL only grows
+        assert (kl >= -1e-6).all() and (kl <= full + 1e-5).all() and (kl >= prev - 1e-5).all(), k
+        prev = kl.detach()
+    torch.testing.assert_close(kl, full, atol=1e-5, rtol=1e-5)
+    (g,) = torch.autograd.grad(kl.sum(), zs)
+    torch.testing.assert_close(g, g_full, atol=1e-5, rtol=1e-5)
+    assert float((full - teacher_topk_reverse_kl(zs, *reversed(lt.topk(3, -1)))).detach().min()) > 1e-3  # k < V loses some
+
+
+def test_teacher_topk_kl_survives_server_log_probs_that_sum_past_one():
+    zs = torch.randn(4, 9, requires_grad=True)
+    lp, ids = torch.log_softmax(torch.randn(4, 9), -1).topk(8, -1)
+    kl = teacher_topk_reverse_kl(zs, ids, lp - lp.logsumexp(-1, keepdim=True) + 0.01)  # the top 8 hold e^0.01 > 1
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(zs.grad).all() and (kl > 0).all()
+
+
+def _served(model, tokenizer):
+    """A stub SGLang server reporting `model`'s log-probs, and a client of it: (server, client, stub)."""
+    stub = Stub(tokenizer("7\n", add_special_tokens=False).input_ids, model.config.vocab_size, model=model)
+    srv = serve(stub)
+    eng = get_engine("sglang", base_url=f"http://127.0.0.1:{srv.server_address[1]}", tokenizer=tokenizer,
+                     model=model, timeout_s=10)
+    return srv, eng, stub
+
+
+def _close(srv):
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_servers_top_logprobs_are_its_models_own_and_a_malformed_answer_is_one_line(tokenizer, pico_model):
+    pico_model.eval()
+    srv, eng, stub = _served(pico_model, tokenizer)
+    try:
+        prompts, completions = [[5, 6, 7], [8], [9, 10]], [[9, 10], [11, 12, 13], []]
+        got = eng.top_logprobs(prompts, completions, 5)
+        assert got[2] == ([], [])  # an empty completion asks nothing
+        body = [b for p, b in stub.requests if p == "/generate"][-1]
+        assert body["top_logprobs_num"] == 5 and body["logprob_start_len"] == [2, 0]
+        teacher = embedded_teacher("t", "count", copy.deepcopy(pico_model), tokenizer)
+        want = teacher_targets(teacher, list(zip(prompts[:2], completions[:2])), tokenizer.pad_token_id, "packed",
+                               topk=5)
+        ids = torch.tensor([i for c in got[:2] for i in c[0]])
+        lps = torch.tensor([v for c in got[:2] for v in c[1]])
+        assert ids.shape == (5, 5) and torch.equal(ids, want.ids.long())
+        torch.testing.assert_close(lps, want.logprobs, atol=1e-5, rtol=0)
+        assert eng.top_logprobs([[5]], [[6]], 10_000)[0][0][0].__len__() == pico_model.config.vocab_size  # capped
+        stub.faults.append("short_top")
+        with pytest.raises(OpdError, match=r"input_top_logprobs of completion 0, token 0, is not 5 \[logprob"):
+            eng.top_logprobs([[5, 6]], [[7, 8]], 5)
+    finally:
+        _close(srv)
+
+
+def _samples():
+    rng = random.Random(0)
+    return {c: [([rng.randrange(3, 40) for _ in range(rng.randint(2, 6))], [rng.randrange(3, 40) for _ in range(3)])
+                for _ in range(12)] for c in ("count", "rev")}
+
+
+def _warm(cfg, tokenizer, teachers, student_dir, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(student_dir)
+    logs = []
+    distill(cfg, student, tokenizer, teachers, resolve_routes({"count": "count", "rev": "rev"}),
+            tmp_path / f"{name}.pt", log=logs.append)
+    return student.state_dict(), logs
+
+
+def test_a_kl_warm_start_from_server_teachers_trains_as_the_same_teachers_in_process(
+        tmp_path, tokenizer, trained_pico_dir, monkeypatch):
+    """The same teacher samples (fixed here: an SGLang server samples without a seed) distilled with
+    warmstart_topk from two teachers on stub servers give the weights that the same teachers in process
+    give, cached or scored at every step; and with K = the vocabulary, the full-vocabulary warm start's."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(loop, "verified_samples", lambda *a, **k: _samples())
+    models = {"count": AutoModelForCausalLM.from_pretrained(trained_pico_dir),
+              "rev": AutoModelForCausalLM.from_pretrained(trained_pico_dir)}
+    torch.manual_seed(1)
+    for p in models["rev"].parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    local = {c: embedded_teacher(c, c, m, tokenizer) for c, m in models.items()}
+    servers = {c: _served(m, tokenizer) for c, m in models.items()}
+    remote = {c: Teacher(c, c, eng) for c, (_, eng, _) in servers.items()}
+    V = models["count"].config.vocab_size
+    cfg = DistillConfig(steps=0, warmstart_steps=6, warmstart_batch=8, warmstart_loss="kl", warmstart_topk=4,
+                        verifier="none", layout="packed")
+    try:
+        here, logs = _warm(cfg, tokenizer, local, trained_pico_dir, tmp_path, "local")
+        there, logs_there = _warm(cfg, tokenizer, remote, trained_pico_dir, tmp_path, "server")
+        per_step, logs_step = _warm(cfg.model_copy(update={"warmstart_cache_mib": 0}), tokenizer, remote,
+                                    trained_pico_dir, tmp_path, "per_step")
+        asked = [b for _, _, stub in servers.values() for p, b in stub.requests if p == "/generate"]
+    finally:
+        for srv, _, _ in servers.values():
+            _close(srv)
+    assert any("top-4 log-probs" in m and "scored their" in m for m in logs_there)
+    assert any("each step runs its teachers" in m for m in logs_step)
+    assert asked and all(b["top_logprobs_num"] == 4 for b in asked)
+    start = AutoModelForCausalLM.from_pretrained(trained_pico_dir).state_dict()
+    for k, v in here.items():
+        torch.testing.assert_close(there[k], v, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(per_step[k], v, atol=2e-5, rtol=1e-4)
+    assert max(float((here[k] - start[k]).abs().max()) for k in here) > 1e-3  # it trained
+    full, _ = _warm(cfg.model_copy(update={"warmstart_topk": None}), tokenizer, local, trained_pico_dir, tmp_path, "f")
+    every, _ = _warm(cfg.model_copy(update={"warmstart_topk": V}), tokenizer, local, trained_pico_dir, tmp_path, "v")
+    for k, v in full.items():
+        torch.testing.assert_close(every[k], v, atol=2e-5, rtol=1e-4)
+    assert max(float((full[k] - here[k]).abs().max()) for k in here) > 1e-5  # K = 4 of V is another target
+
+
+def test_the_cache_holds_k_log_probs_a_token(tokenizer, pico_model):
+    teacher = embedded_teacher("count", "count", pico_model, tokenizer)
+    samples = {"count": _samples()["count"] * 2}  # every pair twice: scored once
+    cache = teacher_logits_cache(samples, {"count": teacher}, tokenizer.pad_token_id, "packed", topk=3)
+    top, offsets, which = cache["count"]
+    assert isinstance(top, TopLogprobs) and top.ids.shape == top.logprobs.shape == (36, 3)
+    assert top.ids.dtype == torch.int32 and offsets[-1] == 36 and which[:12] == which[12:]
+    assert (top.logprobs[:, :-1] >= top.logprobs[:, 1:]).all()  # most likely first
+
+
+def test_warmstart_topk_settings_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="warmstart_topk is the support of warmstart_loss kl's target"):
+        DistillConfig(steps=0, warmstart_steps=5, warmstart_topk=4)
+    with pytest.raises(ValueError, match="leave warmstart_target_temperature at 1.0, or remove warmstart_topk"):
+        DistillConfig(steps=0, warmstart_steps=5, warmstart_loss="kl", warmstart_topk=4,
+                      warmstart_target_temperature=0.5)
+    lab = build_fake_lab(tmp_path / "lab", ("count",))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"teachers": [str(lab["experts"]["count"])], "base": str(lab["base"]),
+                                    "teacher_servers": {"count": "http://127.0.0.1:1"},
+                                    "distill": {"steps": 0, "warmstart_steps": 5, "warmstart_loss": "kl",
+                                                "verifier": "none"}}))
+    with pytest.raises(OpdError, match="set distill.warmstart_topk: K"):
+        load_run(path)
+    assert load_run(path, ["distill.warmstart_topk=8"]).distill.warmstart_topk == 8
+    out = subprocess.run([sys.executable, "-m", "opd.distill", str(path)], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and "warmstart_topk" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_server_teacher_without_top_k_is_refused_before_sampling(tokenizer):
+    class ScoresOnly:
+        def score(self, p, c):
+            return [[0.0] * len(x) for x in c]
+
+    from opd.distill.offpolicy import require_models
+
+    teachers = {"count": Teacher("count", "count", ScoresOnly())}
+    with pytest.raises(OpdError, match="the teacher of count has none .*: use warmstart_loss: nll"):
+        require_models(teachers, ["count"], 4)
+    with pytest.raises(OpdError, match="set warmstart_topk: K"):
+        require_models(teachers, ["count"])
