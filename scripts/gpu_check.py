@@ -163,6 +163,8 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from opd.distill.offpolicy import teacher_targets
+    from opd.distill.teachers import embedded_teacher
     from opd.rollout import SamplingParams, get_engine
     from opd.rollout.sglang import launch_server
 
@@ -194,6 +196,17 @@ def main() -> int:
             failures.append(f"sampled logprobs differ from scores by {gen_vs_score:.2e} (temperature-1 logprobs?)")
         if sgl_vs_hf > 2e-2:
             failures.append(f"sglang scores differ from transformers by {sgl_vs_hf:.2e}")
+        # the KL warm start's targets from a server teacher (distill.warmstart_topk): its top-k log-probs at
+        # each completion token against transformers' own, compared sorted (ties may order ids differently)
+        k = 5
+        tops = sgl.top_logprobs(pids, cids, k)
+        want = teacher_targets(embedded_teacher("smoke", "add", model, tok), list(zip(pids, cids)),
+                               tok.pad_token_id if tok.pad_token_id is not None else 0, topk=k)
+        got = torch.tensor([v for _, lps in tops for v in lps])
+        top_vs_hf = float((got.sort(-1, descending=True).values - want.logprobs).abs().max())
+        print(f"  max |sglang top-{k} logprob - transformers top-{k}| = {top_vs_hf:.2e}")
+        if top_vs_hf > 2e-2:
+            failures.append(f"sglang top-{k} log-probs differ from transformers by {top_vs_hf:.2e}")
         sgl.sync_weights(a.base_dir)
         print("  update_weights_from_disk: ok")
     if failures:

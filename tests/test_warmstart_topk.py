@@ -200,3 +200,35 @@ def test_a_server_teacher_without_top_k_is_refused_before_sampling(tokenizer):
         require_models(teachers, ["count"], 4)
     with pytest.raises(OpdError, match="set warmstart_topk: K"):
         require_models(teachers, ["count"])
+
+
+def test_the_distill_cli_runs_a_kl_warm_start_from_a_teacher_on_a_server(tmp_path, tokenizer):
+    """As a user runs it: `python -m opd.distill run.yaml` with the teacher in teacher_servers (a stub
+    server reporting the expert's own log-probs) and warmstart_topk: the teacher samples and scores on the
+    server, its weights are never loaded here, and the student trains."""
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    lab = build_fake_lab(tmp_path / "lab", ("count",))
+    srv, _, stub = _served(AutoModelForCausalLM.from_pretrained(lab["experts"]["count"]).eval(), tokenizer)
+    run = {"name": "r", "base": str(lab["base"]), "teachers": [str(lab["experts"]["count"])],
+           "teacher_servers": {"count": f"http://127.0.0.1:{srv.server_address[1]}"}, "out": str(tmp_path / "out"),
+           "distill": {"steps": 0, "warmstart_steps": 4, "warmstart_prompts": 4, "warmstart_batch": 4,
+                       "warmstart_loss": "kl", "warmstart_topk": 4, "verifier": "none"}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run))
+    env = {**os.environ, "OPD_CACHE": str(tmp_path / "cache")}
+    try:
+        r = subprocess.run([sys.executable, "-m", "opd.distill", str(path), "--no-eval"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        _close(srv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "top-4 log-probs" in r.stderr + r.stdout
+    bodies = [b for p, b in stub.requests if p == "/generate"]
+    assert any("top_logprobs_num" not in b for b in bodies)  # it sampled there
+    assert any(b.get("top_logprobs_num") == 4 for b in bodies)  # and scored there
+    start, out = load_file(Path(lab["base"]) / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert max(float((out[k] - start[k]).abs().max()) for k in start) > 1e-4
