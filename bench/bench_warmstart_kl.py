@@ -12,7 +12,8 @@ round-robin, --steps times each (the first two of each untimed) on the base stud
 ms per step, the ratios against the in-step teachers, and the cache's seconds per 1,000 samples (the
 lab12 recipe draws 12 x 4096 x 4 samples).
 
-A fourth kind runs the cached-teacher KL step under bf16 autocast (fp32 weights, gradients and
+A fourth kind trains on the teachers' top --topk log-probs a token and a tail bucket
+(`distill.warmstart_topk`, a cache of 8 x K bytes a token; what an SGLang teacher returns). A fifth runs the cached-teacher KL step under bf16 autocast (fp32 weights, gradients and
 optimizer): whether mixed precision would buy this CPU's warm start
 any time (where the CPU has AVX512-BF16 or AMX; elsewhere oneDNN's bf16 products are slower than fp32,
 see opd.distill.precision). The bench prints whether the CPU reports avx512_bf16.
@@ -38,10 +39,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64, help="pairs per step (the recipe's warmstart_batch)")
     ap.add_argument("--steps", type=int, default=24, help="steps per kind (the first two untimed)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--topk", type=int, default=8, help="K of the top-k kind (distill.warmstart_topk)")
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from opd.distill import resolve_routes
     from opd.distill.loop import StudentHidden
@@ -60,6 +62,12 @@ def main() -> int:
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     print(f"torch threads: {torch.get_num_threads()}; CPU avx512_bf16: {'avx512_bf16' in flags}, "
           f"amx_bf16: {'amx_bf16' in flags}")
+    from opd.distill.precision import _seconds
+
+    width = AutoConfig.from_pretrained(args.base).hidden_size
+    f32, b16 = (_seconds(dt, width, torch.device("cpu")) for dt in (torch.float32, torch.bfloat16))
+    print(f"one (256 x {width}) @ ({width} x {4 * width}) product: {1e3 * f32:.3f} ms fp32, {1e3 * b16:.3f} ms bf16 "
+          f"({f32 / b16:.2f}x)")
     tok = AutoTokenizer.from_pretrained(args.base)
     teachers, _ = load_teachers([f"{args.experts}/{c}" for c in LAB12], tok)
     routes = resolve_routes({n: t.capability for n, t in teachers.items()})
@@ -76,6 +84,11 @@ def main() -> int:
     print(f"cache: {n_samples} samples ({n_distinct} distinct, each scored once), {mib:.0f} MiB, {cache_s:.1f} s "
           f"({1000 * cache_s / n_samples:.2f} s per 1,000 samples)")
 
+    t0 = time.perf_counter()
+    top_cache = teacher_logits_cache(samples, warm, pad, "packed", topk=args.topk)
+    print(f"top-{args.topk} cache: {sum(t.ids.numel() * 8 for t, *_ in top_cache.values()) / 2**20:.1f} MiB, "
+          f"{time.perf_counter() - t0:.1f} s")
+
     student = AutoModelForCausalLM.from_pretrained(args.base, dtype="float32").train()
     policy = StudentHidden(student)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-4, fused=True)
@@ -88,16 +101,18 @@ def main() -> int:
         if kind == "nll":
             loss, _ = sft_loss(policy, [p for _, p in batch], pad, 1024, "packed")
         else:
-            zt = cached_logits(cache, draws) if "cached" in kind else None
+            topk = args.topk if "top-" in kind else None
+            zt = cached_logits(top_cache if topk else cache, draws) if "cached" in kind else None
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if "bf16" in kind else contextlib.nullcontext()
             with autocast:  # the products in bf16 (weights, grads and Adam stay fp32)
-                loss, _ = kd_loss(policy, batch, warm, pad, 1024, "packed", zt)
+                loss, _ = kd_loss(policy, batch, warm, pad, 1024, "packed", zt, topk=topk)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return time.perf_counter() - t
 
-    kinds = ["kl, in-step teachers", "kl, cached teachers", "nll", "kl, cached teachers, bf16 autocast"]
+    kinds = ["kl, in-step teachers", "kl, cached teachers", "nll", f"kl, cached teachers' top-{args.topk}",
+             "kl, cached teachers, bf16 autocast"]
     times = {k: [] for k in kinds}
     for i in range(args.steps):
         for k in kinds:

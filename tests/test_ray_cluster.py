@@ -55,7 +55,8 @@ def _opd(tokenizer, lab, **cfg):
     student = AutoModelForCausalLM.from_pretrained(lab["base"])
     teachers = {n: embedded_teacher(n, n, AutoModelForCausalLM.from_pretrained(p), tokenizer)
                 for n, p in lab["experts"].items()}
-    config = DistillConfig(steps=2, prompts_per_step=6, group_size=2, lr=3e-3, updates_per_batch=2, **cfg)
+    config = DistillConfig(**{"steps": 2, "prompts_per_step": 6, "group_size": 2, "lr": 3e-3, "updates_per_batch": 2,
+                              **cfg})
     state = distill(config, student, tokenizer, teachers, resolve_routes({n: n for n in teachers}),
                     log=lambda *_: None)
     return state, student
@@ -80,6 +81,28 @@ def test_opd_with_ray_teacher_actors_equals_in_process(cluster, tmp_path, tokeni
     for (n, p), q in zip(s_local.state_dict().items(), s_remote.state_dict().values()):
         # Adam turns a rounding-level gradient difference into up to ~1e-5 of a 3e-3 step (seen: 1.1e-5)
         assert torch.allclose(p, q, atol=1e-4), n
+
+
+def test_kl_warm_start_from_ray_teacher_actors_with_topk_equals_in_process(cluster, tmp_path, tokenizer):
+    """warmstart_topk with teachers_on: ray: the teachers sample on their actors (seeded, so the same samples)
+    and return their top-k log-probs from there (add over-provisioned with two actors, which split its
+    pairs); the warm start trains the student to the in-process teachers' weights."""
+    from opd.lab.pico import build_fake_lab
+
+    lab = build_fake_lab(tmp_path / "lab", ("add", "rev"), scale=0.05)
+    warm = {"steps": 0, "warmstart_steps": 3, "warmstart_prompts": 4, "warmstart_batch": 6, "warmstart_loss": "kl",
+            "warmstart_topk": 6, "verifier": "none"}
+    local, s_local = _opd(tokenizer, lab, **warm)
+    remote, s_remote = _opd(tokenizer, lab, teachers_on="ray",
+                            teacher_actors={"replicas": {"add": 2}, "resources": {"CPU": 0.5}}, **warm)
+    assert remote.warm_tokens == local.warm_tokens > 0
+    for (n, p), q in zip(s_local.state_dict().items(), s_remote.state_dict().values()):
+        assert torch.allclose(p, q, atol=1e-4), n
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(lab["base"]).state_dict()
+    moved = max(float((s_local.state_dict()[n] - base[n]).abs().max()) for n in base)
+    assert moved > 1e-4  # it trained
 
 
 def test_remote_bank_splits_rows_between_replicas(tokenizer, tmp_path):

@@ -226,9 +226,11 @@ class DistillConfig(BaseModel):
         if self.warmstart_balance == "d3" and self.warmstart_loss != "kl":
             raise ValueError("warmstart_balance d3 schedules the capabilities by their KL to the teacher: set "
                              "warmstart_loss: kl, or warmstart_balance: none")
-        if self.teachers_on == "ray" and self.warmstart_loss == "kl" and self.warmstart_steps > 0:
+        if self.teachers_on == "ray" and self.warmstart_loss == "kl" and self.warmstart_steps > 0 \
+                and self.warmstart_topk is None:
             raise ValueError("warmstart_loss: kl reads each teacher's full distribution in this process; with "
-                             "teachers_on: ray the teachers live in actors: use warmstart_loss: nll or teachers_on: local")
+                             "teachers_on: ray the teachers live in actors: set warmstart_topk: K (the actors "
+                             "return their top-K log-probs), use warmstart_loss: nll, or teachers_on: local")
         if self.teachers_on == "ray" and self.sample_ahead and self.sample_worker == "process":
             raise ValueError("teachers_on: ray with sample_ahead needs sample_worker: thread (a forked worker "
                              "cannot call the teachers' Ray actors)")

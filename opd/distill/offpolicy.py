@@ -329,6 +329,9 @@ def kd_sequence_losses(policy, batch: list[tuple[str, Sample]], teachers: dict[s
     """`kd_loss` per sequence: (each pair's mean KL over its completion tokens (B,), each row's capability,
     completion tokens). The rows are in capability order (each teacher's pairs consecutive), not in the
     order of `batch`; their mean is `kd_loss`."""
+    if topk is not None and target_temperature != 1.0:
+        raise ValueError("kd_sequence_losses: a top-k target keeps no full logits to rescale: target_temperature "
+                         "must be 1.0 with topk")
     if teacher_logits is None:
         require_models(teachers, {c for c, _ in batch}, topk)
     order = sorted(range(len(batch)), key=lambda j: batch[j][0])  # stable: each teacher's pairs are consecutive

@@ -4,6 +4,8 @@ estimator needs; the student gathers the answers and updates as with in-process 
 
 - sampled estimator: each teacher's engine is a `RemoteEngine`, whose `score` splits the rows between
   the actors holding that teacher and returns the sampled tokens' log-probs (B x T floats);
+- the KL warm start with `warmstart_topk` K: the engine's `top_logprobs` runs `teacher_targets` on the
+  actors holding the teacher and returns its K most likely tokens and log-probs at each completion token;
 - full and top-k: a `RemoteBank` in place of the in-process `TeacherBank`: each actor runs a stacked
   bank over its own teachers on its share of the rows and returns sum_k w_k log pi_k over the whole
   vocabulary (the unnormalised mixture) and the sampled tokens' log-probs; the student adds the
@@ -18,6 +20,7 @@ import torch
 
 from opd.cluster import Actors
 from opd.distill.config import TeacherActors
+from opd.distill.offpolicy import teacher_targets
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, embedded_teacher
 from opd.errors import OpdError
@@ -31,12 +34,23 @@ class TeacherHost:
         self.teachers = {n: embedded_teacher(n, cap, m.to(self.device), tokenizer) for n, (cap, m) in models.items()}
         self.names = sorted(models)
         self.bank = TeacherBank(self.teachers, self.names, dtype)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def score(self, name: str, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         return self.teachers[name].engine.score(prompt_ids, completion_ids)
 
     def generate(self, name: str, prompts: list[str], n: int, params):
         return self.teachers[name].engine.generate(prompts, n, params)
+
+    def top_logprobs(self, name: str, prompt_ids: list[list[int]], completion_ids: list[list[int]], k: int):
+        """As `SGLangEngine.top_logprobs`: per completion, its teacher's k most likely tokens and their
+        log-probs at each of its tokens (`teacher_targets` on this actor)."""
+        top = teacher_targets(self.teachers[name], list(zip(prompt_ids, completion_ids)), self.pad_id, topk=k)
+        out, at = [], 0
+        for c in completion_ids:
+            out.append((top.ids[at: at + len(c)].tolist(), top.logprobs[at: at + len(c)].tolist()))
+            at += len(c)
+        return out
 
     @torch.no_grad()
     def score_bank(self, ids, attn, plen, targets, weights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +82,16 @@ class RemoteEngine:
         self.pool, self.name = pool, name
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+        return self._split_call("score", prompt_ids, completion_ids)
+
+    def top_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], k: int):
+        return self._split_call("top_logprobs", prompt_ids, completion_ids, k)
+
+    def _split_call(self, method: str, prompt_ids, completion_ids, *args) -> list:
+        """`method` on the actors holding this teacher, its rows split between them, answers in row order."""
         parts = self.pool.split(self.name, list(range(len(prompt_ids))))
-        handles = [self.pool.actors.submit(a, "score", self.name, [prompt_ids[i] for i in rows],
-                                           [completion_ids[i] for i in rows]) for a, rows in parts]
+        handles = [self.pool.actors.submit(a, method, self.name, [prompt_ids[i] for i in rows],
+                                           [completion_ids[i] for i in rows], *args) for a, rows in parts]
         out: list = [None] * len(prompt_ids)
         for (_, rows), got in zip(parts, self.pool.actors.gather(handles)):
             for i, lps in zip(rows, got):
