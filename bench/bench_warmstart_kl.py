@@ -40,6 +40,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24, help="steps per kind (the first two untimed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--topk", type=int, default=8, help="K of the top-k kind (distill.warmstart_topk)")
+    ap.add_argument("--profile", action="store_true", help="then torch.profiler over 5 cached-KL steps: the ops' "
+                    "share of CPU time")
     args = ap.parse_args()
 
     import torch
@@ -125,6 +127,16 @@ def main() -> int:
     for k in kinds:
         m = statistics.median(times[k])
         print(f"| {k} | {1000 * m:.0f} | {m / base:.2f} |")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                step("kl, cached teachers")
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ops)
+        print("cached-KL step, share of self CPU time: "
+              + ", ".join(f"{e.key} {e.self_cpu_time_total / total:.0%}" for e in ops[:5]))
     return 0
 
 

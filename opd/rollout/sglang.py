@@ -270,28 +270,37 @@ class SGLangEngine:
             out[i].append(Rollout(prompts[i], list(p_ids), ids, self.tokenizer.decode(ids, skip_special_tokens=True), lps))
         return out
 
-    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
-        """Teacher-forced temperature-1 log-probs of each completion: one prefill-only request
-        (max_new_tokens 0) for the non-empty completions, logprob_start_len = prompt length - 1.
-        An empty completion scores [] without asking the server."""
+    def _prefill(self, what: str, prompt_ids: list[list[int]], completion_ids: list[list[int]], **extra
+                 ) -> tuple[list[int], list[dict]]:
+        """One prefill-only request (max_new_tokens 0, temperature 1) for the non-empty completions, input
+        log-probs from position len(prompt) - 1 on (`extra`: more GenerateReqInput fields). Returns the rows
+        asked (indices into the completions) and their answers; none asked, no request."""
         if len(prompt_ids) != len(completion_ids):
-            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
+            raise ValueError(f"{what}: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
         if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("score: every prompt needs at least one token to condition on")
-        out: list[list[float]] = [[] for _ in completion_ids]
+            raise ValueError(f"{what}: every prompt needs at least one token to condition on")
         rows = [k for k, c in enumerate(completion_ids) if len(c) > 0]
         if not rows:
-            return out
+            return [], []
         for k in rows:
             for t in list(prompt_ids[k]) + list(completion_ids[k]):
-                self._check_id(int(t), f"score: input {k}")
+                self._check_id(int(t), f"{what}: input {k}")
         payload = {
             "input_ids": [list(prompt_ids[k]) + list(completion_ids[k]) for k in rows],
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": [len(prompt_ids[k]) - 1 for k in rows],
+            **extra,
         }
-        for k, res in zip(rows, self._generate_request(payload), strict=True):
+        return rows, self._generate_request(payload)
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced temperature-1 log-probs of each completion: one prefill-only request
+        (max_new_tokens 0) for the non-empty completions, logprob_start_len = prompt length - 1.
+        An empty completion scores [] without asking the server."""
+        out: list[list[float]] = [[] for _ in completion_ids]
+        rows, results = self._prefill("score", prompt_ids, completion_ids)
+        for k, res in zip(rows, results, strict=True):
             c = list(completion_ids[k])
             entries = _entries(res, "input_token_logprobs", self.base_url)
             # From position len(p) - 1: one None (it scores nothing), then one entry per completion token.
@@ -317,27 +326,11 @@ class SGLangEngine:
         python/sglang/srt/managers/scheduler_output_processor_mixin.py: `[None]` then the positions,
         the last popped; `detokenize_top_logprobs_tokens` in python/sglang/srt/managers/tokenizer_manager.py
         turns each position into (logprob, token_id, text|None) tuples and leaves None as None)."""
-        if len(prompt_ids) != len(completion_ids):
-            raise ValueError(f"top_logprobs: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("top_logprobs: every prompt needs at least one token to condition on")
         k = min(int(k), self.vocab_size)
         out: list[tuple[list[list[int]], list[list[float]]]] = [([], []) for _ in completion_ids]
-        rows = [j for j, c in enumerate(completion_ids) if len(c) > 0]
-        if not rows:
-            return out
-        for j in rows:
-            for t in list(prompt_ids[j]) + list(completion_ids[j]):
-                self._check_id(int(t), f"top_logprobs: input {j}")
-        payload = {
-            "input_ids": [list(prompt_ids[j]) + list(completion_ids[j]) for j in rows],
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": [len(prompt_ids[j]) - 1 for j in rows],
-            "top_logprobs_num": k,
-        }
+        rows, results = self._prefill("top_logprobs", prompt_ids, completion_ids, top_logprobs_num=k)
         where = f"sglang server {self.base_url}"
-        for j, res in zip(rows, self._generate_request(payload), strict=True):
+        for j, res in zip(rows, results, strict=True):
             n = len(completion_ids[j])
             meta = res.get("meta_info") if isinstance(res, dict) else None
             tops = meta.get("input_top_logprobs") if isinstance(meta, dict) else None
