@@ -221,13 +221,15 @@ def teacher_targets(teacher: Teacher, pairs: list[Sample], pad_id: int, layout: 
         if topk is None or not hasattr(teacher.engine, "top_logprobs"):
             raise OpdError(f"teacher {teacher.name!r} has no in-process model and its engine returns no top-k "
                            "log-probs: the KL warm start needs one of them")
-        k = min(topk, getattr(teacher.engine, "vocab_size", topk))  # what the engine returns (SGLangEngine's cap)
         parts = []
         for s in range(0, len(pairs), chunk):
             sub = pairs[s: s + chunk]
             for ids, lps in teacher.engine.top_logprobs([p for p, _ in sub], [c for _, c in sub], topk):
-                parts.append(TopLogprobs(torch.tensor(ids, dtype=torch.int32).reshape(-1, k),
-                                         torch.tensor(lps, dtype=torch.float32).reshape(-1, k)))
+                if ids:  # (len(completion), k): k is the engine's, at most the vocabulary
+                    parts.append(TopLogprobs(torch.tensor(ids, dtype=torch.int32),
+                                             torch.tensor(lps, dtype=torch.float32)))
+        if not parts:
+            return TopLogprobs(torch.zeros(0, topk, dtype=torch.int32), torch.zeros(0, topk))
         return TopLogprobs.cat(parts)
     model = teacher.model
     device, W = next(model.parameters()).device, lm_head_weight(model).float()
