@@ -232,3 +232,26 @@ def test_the_distill_cli_runs_a_kl_warm_start_from_a_teacher_on_a_server(tmp_pat
     assert any(b.get("top_logprobs_num") == 4 for b in bodies)  # and scored there
     start, out = load_file(Path(lab["base"]) / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert max(float((out[k] - start[k]).abs().max()) for k in start) > 1e-4
+
+
+def test_a_killed_topk_warm_start_resumes_to_the_same_weights(tmp_path, tokenizer, trained_pico_dir, monkeypatch):
+    """Killed midway (the 5th step's loss raises), the same run resumes from its checkpoint: the top-k
+    cache is rebuilt from the checkpointed samples, and the weights are those of an unbroken run."""
+    from test_distill_fast import _dies_at_call
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(loop, "verified_samples", lambda *a, **k: _samples())
+    teachers = {c: embedded_teacher(c, c, AutoModelForCausalLM.from_pretrained(trained_pico_dir), tokenizer)
+                for c in ("count", "rev")}
+    cfg = DistillConfig(steps=0, warmstart_steps=8, warmstart_batch=8, warmstart_loss="kl", warmstart_topk=4,
+                        verifier="none", layout="packed", checkpoint_every=1)  # a checkpoint every 5 warm steps
+    whole, _ = _warm(cfg, tokenizer, teachers, trained_pico_dir, tmp_path, "whole")
+    real = loop.kd_sequence_losses
+    monkeypatch.setattr(loop, "kd_sequence_losses", _dies_at_call(7, real))
+    with pytest.raises(KeyboardInterrupt):
+        _warm(cfg, tokenizer, teachers, trained_pico_dir, tmp_path, "killed")
+    monkeypatch.setattr(loop, "kd_sequence_losses", real)
+    resumed, logs = _warm(cfg, tokenizer, teachers, trained_pico_dir, tmp_path, "killed")
+    assert any("resum" in m for m in logs), logs
+    for k, v in whole.items():
+        torch.testing.assert_close(resumed[k], v, atol=0, rtol=0)
