@@ -310,6 +310,7 @@ def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers
 
     import opd.distill.loop as loop
     import opd.distill.offpolicy as offpolicy
+    import opd.distill.teachers as teachers_module
 
     teacher = AutoModelForCausalLM.from_pretrained(trained_pico_dir)
     teachers = {"count": embedded_teacher("count", "count", teacher, tokenizer)}
@@ -319,7 +320,8 @@ def test_kl_warm_start_from_cached_teacher_logits_trains_as_the_in_step_teachers
     runs, real = {}, offpolicy.hidden_at
     for budget in (4096, 0):
         logs, forwards = [], []
-        monkeypatch.setattr(offpolicy, "hidden_at", lambda *a, f=forwards, **k: f.append(1) or real(*a, **k))
+        for module in (offpolicy, teachers_module):  # the in-step teachers' forward, and the cache's
+            monkeypatch.setattr(module, "hidden_at", lambda *a, f=forwards, **k: f.append(1) or real(*a, **k))
         student = build_model(PICO, tokenizer, seed=0)
         distill(cfg.model_copy(update={"warmstart_cache_mib": budget}), student, tokenizer, teachers, routes,
                 tmp_path / f"{budget}.pt", log=logs.append)

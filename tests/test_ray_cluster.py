@@ -64,15 +64,17 @@ def _opd(tokenizer, lab, **cfg):
 
 @pytest.mark.parametrize("estimator,actors", [("sampled", {"per_actor": 2}),
                                               ("full", {"replicas": {"add": 2}, "resources": {"CPU": 0.5}}),
-                                              ("topk", {"per_actor": 1})])
+                                              ("topk", {"per_actor": 1}),
+                                              ("teacher_topk", {"replicas": {"add": 2}, "resources": {"CPU": 0.5}})])
 def test_opd_with_ray_teacher_actors_equals_in_process(cluster, tmp_path, tokenizer, estimator, actors):
     """Two teachers on actors (sampled: one actor holds both; full: add over-provisioned with two
     actors, which split its rows): every step's loss, KLs and grad norm, and the student's weights,
-    equal the in-process bank's. top-k (one actor per teacher) reads the same gathered targets as full."""
+    equal the in-process bank's. top-k (one actor per teacher) reads the same gathered targets as full;
+    teacher_topk gets each teacher's top k from its actors (add's rows split between two)."""
     from opd.lab.pico import build_fake_lab
 
     lab = build_fake_lab(tmp_path / "lab", ("add", "rev"), scale=0.05)
-    extra = {"topk": 8} if estimator == "topk" else {}
+    extra = {"topk": 8} if estimator in ("topk", "teacher_topk") else {}
     local, s_local = _opd(tokenizer, lab, estimator=estimator, **extra)
     remote, s_remote = _opd(tokenizer, lab, estimator=estimator, teachers_on="ray", teacher_actors=actors, **extra)
     for a, b in zip(local.history, remote.history, strict=True):

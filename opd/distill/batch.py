@@ -11,7 +11,8 @@ from opd_kernels import selective_log_softmax
 from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
 from opd.distill.teacher_bank import TeacherBank
-from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight
+from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight, teacher_targets
+from opd.errors import OpdError
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens
 from opd.rl.estimators import TeacherOutputs
@@ -172,12 +173,49 @@ def teacher_hidden(batch: OpdBatch, teachers: dict[str, Teacher]) -> list[torch.
     return out
 
 
-def teacher_outputs(batch: OpdBatch, teachers: dict[str, Teacher], logits: bool) -> TeacherOutputs:
+def teacher_outputs(batch: OpdBatch, teachers: dict[str, Teacher], logits: bool,
+                    topk: int | None = None) -> TeacherOutputs:
     """What the batch's teachers gave, as the estimators (opd.rl.estimators) read it. `logits`: the
     estimator reads the teachers' full distributions; without the stacked forward's target, each
-    teacher's hidden states are computed here (once per batch) with its LM head."""
+    teacher's hidden states are computed here (once per batch) with its LM head. `topk` K: each token's
+    teacher's K most likely tokens and their log-probs (`teacher_topk_of`)."""
     hidden = heads = None
     if logits and batch.target is None:
         hidden = teacher_hidden(batch, teachers)  # K x (N, H)
         heads = [lm_head_weight(teachers[n].model) for n in batch.names]
-    return TeacherOutputs(batch.names, batch.weights, batch.teacher_lp, batch.target, batch.log_z, hidden, heads)
+    top_ids = top_lp = None
+    if topk is not None:
+        top_ids, top_lp = teacher_topk_of(batch, teachers, topk)
+    return TeacherOutputs(batch.names, batch.weights, batch.teacher_lp, batch.target, batch.log_z, hidden, heads,
+                          top_ids, top_lp)
+
+
+@torch.no_grad()
+def teacher_topk_of(batch: OpdBatch, teachers: dict[str, Teacher], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each real token's teacher's k most likely tokens and their log-probs, (N, k) each, in the batch's
+    token order: each teacher's `teacher_targets` over the rows routed to it (its model in process, or the
+    top-k log-probs of its server or actor), once per batch. Every row has one teacher."""
+    real = batch.cmask.bool()  # (B, T)
+    tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)
+    tok_index[real] = torch.arange(int(real.sum()), device=real.device)
+    served = (batch.weights > 0).sum(0)
+    if (served > 1).any():
+        b = int((served > 1).nonzero()[0])
+        raise OpdError(f"estimator teacher_topk: the rows of {batch.row_caps[b]!r} are routed to several teachers, "
+                         "whose top-k tokens differ: route each capability to one teacher, or use 'full' or 'topk'")
+    N, device = int(real.sum()), batch.cmask.device
+    if batch.target is not None:  # the stacked bank's per-token target: with one teacher a row, its log-probs
+        lps, ids = batch.target.topk(min(k, batch.target.shape[-1]), -1)
+        return ids, lps
+    parts = []
+    for j, name in enumerate(batch.names):
+        rows = batch.weights[j].nonzero().squeeze(1)
+        if len(rows):
+            top = teacher_targets(teachers[name], [(batch.prompts[b], batch.completions[b]) for b in rows.tolist()],
+                                  batch.pad_id, batch.layout, topk=k)
+            parts.append((tok_index[rows][real[rows]], top))  # the rows' tokens, in row order as returned
+    width = min((top.ids.shape[1] for _, top in parts), default=k)  # k, or the vocabulary where k exceeds it
+    ids, lps = torch.zeros(N, width, dtype=torch.long, device=device), torch.zeros(N, width, device=device)
+    for at, top in parts:
+        ids[at], lps[at] = top.ids[:, :width].long().to(device), top.logprobs[:, :width].to(device)
+    return ids, lps

@@ -17,7 +17,7 @@ from opd.rl.distributed import DeepSpeedFragment
 from opd.rl.packing import Layout
 from opd.tracking import REPORT_TO_HELP, ReportTo
 
-Estimator = Literal["sampled", "full", "topk"]
+Estimator = Literal["sampled", "full", "topk", "teacher_topk"]
 # What consolidation may read of a capability besides its prompts: 'capability', its reward (the
 # verifier, or whatever reward its experts trained on); 'none', nothing (domains with no verifier).
 Verifier = Literal["capability", "none"]
@@ -54,10 +54,13 @@ class DistillConfig(BaseModel):
 
     estimator: Estimator = Field("sampled", description="'sampled': per-token advantage -(log pi_s - log pi_t) "
                                  "in the GSPO-token loss; 'full': exact full-vocabulary reverse KL per token; "
-                                 "'topk': reverse KL over the student's top-`topk` tokens plus one tail bucket")
-    topk: int | None = Field(None, ge=1, description="K of the top-k estimator (needed by it, read by no other): "
-                             "per token, the KL between student and target coarsened to the student's K most "
-                             "likely tokens and one bucket for the rest (K >= the vocabulary is the full estimator)")
+                                 "'topk': reverse KL over the student's top-`topk` tokens plus one tail bucket; "
+                                 "'teacher_topk': over each row's teacher's top-`topk` tokens plus one tail bucket, "
+                                 "what teachers on SGLang servers or Ray actors return (one teacher per row)")
+    topk: int | None = Field(None, ge=1, description="K of the top-k estimators (needed by topk and teacher_topk, read "
+                             "by no other): per token, the KL between student and target coarsened to the student's "
+                             "(topk) or the teacher's (teacher_topk) K most likely tokens and one bucket for the rest "
+                             "(K >= the vocabulary is the full estimator)")
     steps: int = Field(50, ge=0, description="rollout batches (one optimizer pass each); 0 with warmstart_steps "
                        "> 0 is off-policy distillation alone")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
@@ -214,6 +217,9 @@ class DistillConfig(BaseModel):
         if self.estimator == "topk" and self.topk is None:
             raise ValueError("estimator 'topk' needs topk: K, the number of the student's most likely tokens "
                              "per position (>= 1)")
+        if self.estimator == "teacher_topk" and self.topk is None:
+            raise ValueError("estimator 'teacher_topk' needs topk: K, the number of the teacher's most likely tokens "
+                             "per position (>= 1)")
         if self.warmstart_target_temperature != 1.0 and self.warmstart_loss != "kl":
             raise ValueError("warmstart_target_temperature is the temperature of warmstart_loss kl's target: set "
                              "warmstart_loss: kl, or leave warmstart_target_temperature at 1.0")
@@ -313,7 +319,8 @@ class DistillRun(BaseModel):
                              "use warmstart_loss: nll")
         if self.teacher_servers and self.distill.estimator in ("full", "topk"):
             raise ValueError(f"the {self.distill.estimator} estimator reads teachers' hidden states in process; "
-                             "teacher_servers only return sampled-token log-probs: use estimator 'sampled'")
+                             "teacher_servers return sampled-token and top-k log-probs: use estimator 'sampled' or "
+                             "'teacher_topk'")
         if self.teacher_servers and self.student_merge is not None:
             raise ValueError("student_merge merges the teachers' weights, which teacher_servers leaves on the servers")
         return self

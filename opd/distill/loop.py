@@ -104,7 +104,7 @@ def opd_step(policy, opt, batch: OpdBatch, cfg: DistillConfig, teachers: dict[st
     global one; `sample_ahead` gives each step its own, as another thread may sample meanwhile).
     """
     est = estimator_of(cfg)
-    outputs = teacher_outputs(batch, teachers, logits=est.reads_logits)
+    outputs = teacher_outputs(batch, teachers, logits=est.reads_logits, topk=cfg.topk if est.reads_top else None)
     cmask, real = batch.cmask, batch.cmask.bool()
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)  # (B, T) -> index among real tokens
     tok_index[real] = torch.arange(int(real.sum()), device=real.device)
@@ -411,6 +411,10 @@ def distill(cfg: DistillConfig, student, tokenizer, teachers: dict[str, Teacher]
     """
     mix = prompt_mix(routes, cfg.mix, teacher_weights)
     require_routed("capability_weights", cfg.capability_weights or {}, routes)
+    mixed = sorted(c for c, ts in routes.items() if len(ts) > 1)
+    if cfg.estimator == "teacher_topk" and cfg.steps > 0 and mixed:
+        raise OpdError(f"estimator teacher_topk: {', '.join(mixed)} route to several teachers, whose top-k tokens "
+                       "differ: route each capability to one teacher, or use estimator 'full' or 'topk'")
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     ranks = Ranks.join(deepspeed=wrap is not None)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from difflib import SequenceMatcher
 from itertools import accumulate, groupby
 from typing import Literal
@@ -38,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
-from opd.distill.teachers import Teacher, lm_head_weight
+from opd.distill.teachers import Teacher, TopLogprobs, lm_head_weight, teacher_targets
 from opd.errors import OpdError
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss, teacher_topk_reverse_kl
@@ -170,22 +169,6 @@ def draw_sft(samples: dict[str, list[Sample]], mix: dict[str, float], rng: rando
     return out
 
 
-@dataclass(frozen=True)
-class TopLogprobs:
-    """A teacher's k most likely tokens at each of T completion tokens: ids (T, k) int32 and their
-    log-probs (T, k) float32, on the CPU; sliced and concatenated as one (T, ...) tensor would be."""
-
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-
-    def __getitem__(self, rows: slice) -> TopLogprobs:
-        return TopLogprobs(self.ids[rows], self.logprobs[rows])
-
-    @staticmethod
-    def cat(parts: list[TopLogprobs]) -> TopLogprobs:
-        return TopLogprobs(torch.cat([p.ids for p in parts]), torch.cat([p.logprobs for p in parts]))
-
-
 # What a teacher gives at each completion token: its logits (T, V) float32 on the CPU, or its top k.
 Targets = torch.Tensor | TopLogprobs
 
@@ -209,42 +192,6 @@ def cache_bytes(samples: dict[str, list[Sample]], vocab: int, topk: int | None =
     distinct samples, or with `topk` K int32 ids and float32 log-probs of K tokens."""
     per_token = 4 * vocab if topk is None else 8 * min(topk, vocab)
     return per_token * sum(len(c) for pairs in samples.values() for _, c in distinct(pairs)[0])
-
-
-def teacher_targets(teacher: Teacher, pairs: list[Sample], pad_id: int, layout: Layout = "padded",
-                    chunk: int = 512, topk: int | None = None) -> Targets:
-    """The teacher's targets at every completion token of `pairs`, in order, `chunk` pairs per forward: its
-    logits (T, V), or with `topk` K its K most likely tokens and their log-probs (`TopLogprobs`). An
-    in-process teacher runs its model; one without (an SGLang server) answers `top_logprobs`, which
-    needs `topk`."""
-    if teacher.model is None:
-        if topk is None or not hasattr(teacher.engine, "top_logprobs"):
-            raise OpdError(f"teacher {teacher.name!r} has no in-process model and its engine returns no top-k "
-                           "log-probs: the KL warm start needs one of them")
-        parts = []
-        for s in range(0, len(pairs), chunk):
-            sub = pairs[s: s + chunk]
-            for ids, lps in teacher.engine.top_logprobs([p for p, _ in sub], [c for _, c in sub], topk):
-                if ids:  # (len(completion), k): k is the engine's, at most the vocabulary
-                    parts.append(TopLogprobs(torch.tensor(ids, dtype=torch.int32),
-                                             torch.tensor(lps, dtype=torch.float32)))
-        if not parts:
-            return TopLogprobs(torch.zeros(0, topk, dtype=torch.int32), torch.zeros(0, topk))
-        return TopLogprobs.cat(parts)
-    model = teacher.model
-    device, W = next(model.parameters()).device, lm_head_weight(model).float()
-    parts = []
-    with torch.no_grad():
-        for s in range(0, len(pairs), chunk):
-            sub = pairs[s: s + chunk]
-            rows = lay_out([p for p, _ in sub], [c for _, c in sub], pad_id, layout).to(device)
-            z = hidden_at(model, rows, last_mlp_at_index=True).float() @ W.T  # (t, V)
-            if topk is None:
-                parts.append(z.cpu())
-            else:
-                lp, ids = torch.log_softmax(z, -1).topk(min(topk, z.shape[-1]), -1)
-                parts.append(TopLogprobs(ids.int().cpu(), lp.cpu()))
-    return torch.cat(parts) if topk is None else TopLogprobs.cat(parts)
 
 
 def teacher_logits_cache(samples: dict[str, list[Sample]], teachers: dict[str, Teacher], pad_id: int,

@@ -20,9 +20,8 @@ import torch
 
 from opd.cluster import Actors
 from opd.distill.config import TeacherActors
-from opd.distill.offpolicy import teacher_targets
 from opd.distill.teacher_bank import TeacherBank
-from opd.distill.teachers import Teacher, embedded_teacher
+from opd.distill.teachers import Teacher, embedded_teacher, teacher_targets
 from opd.errors import OpdError
 
 
@@ -166,5 +165,6 @@ def remote_teachers(cfg, teachers: dict[str, Teacher], routed: list[str], tokeni
     pool = TeacherPool(Actors(cfg.teachers_on, TeacherHost, args, dict(settings.resources), settings.address,
                               "distill.teacher_actors.address"), groups)
     remote = {**teachers, **{n: Teacher(n, teachers[n].capability, RemoteEngine(pool, n)) for n in routed}}
-    bank = RemoteBank(pool, routed) if cfg.estimator != "sampled" else None
+    # full and topk read the whole vocabulary from the actors; sampled and teacher_topk the engines' answers
+    bank = RemoteBank(pool, routed) if cfg.estimator in ("full", "topk") else None
     return remote, bank

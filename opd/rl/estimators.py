@@ -7,6 +7,9 @@ for the batch (`TeacherOutputs`) into the loss to descend and its logged statist
   clipped objective (opd.rl.distill_loss.sampled_advantages): teacher log-probs only.
 - `full`: the exact sum_k w_k KL(pi_s || pi_k) over the whole vocabulary (opd_kernels.reverse_kl).
 - `topk`: the reverse KL over the student's top-k tokens plus a tail bucket (`topk_reverse_kl`).
+- `teacher_topk`: the reverse KL over each token's teacher's top-k tokens plus a tail bucket
+  (`teacher_topk_reverse_kl`): what a teacher that returns only its top k gives (an SGLang server's
+  `top_logprobs_num`, a Ray actor's); one teacher per row.
 
 The full and top-k estimators read the teachers' full distributions: either the stacked forward's
 precomputed mixture (`target`, `log_z`) or each teacher's hidden states and LM head. A verifier
@@ -33,6 +36,7 @@ from opd.rl.distill_loss import (
     sampled_advantages,
     scatter_tokens,
     sequence_mean_loss,
+    teacher_topk_reverse_kl,
     topk_reverse_kl,
 )
 from opd.rl.gspo_loss import gspo_loss, k3_kl, masked_mean
@@ -62,6 +66,8 @@ class TeacherOutputs:
     log_z: torch.Tensor | None = None  # (N,) its normaliser: sum_k w_k KL_k = KL(s || target) - log_z
     hidden: list[torch.Tensor] | None = None  # K x (N, H) each teacher's hidden states (no `target`)
     heads: list[torch.Tensor] | None = None  # K x (V, H) each teacher's LM head (no `target`)
+    top_ids: torch.Tensor | None = None  # (N, k) each token's teacher's k most likely tokens (teacher_topk)
+    top_lp: torch.Tensor | None = None  # (N, k) their log-probs
 
 
 @dataclass(frozen=True)
@@ -88,11 +94,13 @@ class Minibatch:
 class Estimator:
     """An estimator of the reverse KL; `loss` is its one job. `reads_logits`: it needs the teachers'
     full distributions (the stacked target or their hidden states), not only their log-probs of
-    the sampled tokens; `reads_old_lp`: it needs the sampling policy's log-probs."""
+    the sampled tokens; `reads_old_lp`: it needs the sampling policy's log-probs; `reads_top`: it needs
+    each token's teacher's top-k log-probs (`TeacherOutputs.top_ids`, `top_lp`)."""
 
     name: ClassVar[str]
     reads_logits: ClassVar[bool] = True
     reads_old_lp: ClassVar[bool] = False
+    reads_top: ClassVar[bool] = False
 
     def __init__(self, settings: EstimatorSettings):
         self.s = settings
@@ -224,6 +232,30 @@ class TopKKL(Estimator):
         return kl, teacher_means(kl, teachers, row_of_tok)
 
 
+class TeacherTopKKL(Estimator):
+    """Reverse KL over each token's teacher's top-k tokens and a tail bucket (`teacher_topk_reverse_kl`),
+    an exact KL between the (k+1)-way coarsenings, the full KL at k = V. The teacher's top k come from
+    wherever it runs (`TeacherOutputs.top_ids`, `top_lp`: an SGLang server, a Ray actor, or in process), so
+    this is the estimator past `sampled` that needs no teacher in this process. Each row has one teacher
+    (geometric mixtures of teachers with different supports are not defined here). Each chunk's (c, V)
+    student logits are recomputed in backward (checkpointed)."""
+
+    name = "teacher_topk"
+    reads_logits = False
+    reads_top = True
+
+    def loss(self, mb: Minibatch, teachers: TeacherOutputs) -> tuple[torch.Tensor, dict[str, float]]:
+        h, W, tok, chunk = mb.hidden, mb.head, mb.tok, self.s.chunk
+        parts = []
+        for s in range(0, h.shape[0], chunk):
+            e = min(s + chunk, h.shape[0])
+            ids, lp = teachers.top_ids[tok[s:e]], teachers.top_lp[tok[s:e]]
+            parts.append(checkpoint(lambda hc, w_, i, t: teacher_topk_reverse_kl(hc.float() @ w_.float().T, i, t),
+                                    h[s:e], W, ids, lp, use_reentrant=False))
+        kl = torch.cat(parts) if parts else h.new_zeros(0)  # (n,)
+        return self._with_reward(kl, mb), teacher_means(kl, teachers, mb.row_of_tok)
+
+
 def domain_norm_weights(values: torch.Tensor, tok_domain: torch.Tensor, row_domain: torch.Tensor) -> torch.Tensor:
     """DN-MOPD's per-domain loss weights: (n,) per-token loss terms, (n,) and (b,) their and the rows'
     domain ids -> (b,) each row's clip(sigma_all / sigma_d, 0.25, 4), with sigma_d the standard deviation
@@ -249,7 +281,7 @@ def teacher_means(kl: torch.Tensor, teachers: TeacherOutputs, row_of_tok: torch.
     return st
 
 
-ESTIMATORS: dict[str, type[Estimator]] = {e.name: e for e in (SampledKL, FullKL, TopKKL)}
+ESTIMATORS: dict[str, type[Estimator]] = {e.name: e for e in (SampledKL, FullKL, TopKKL, TeacherTopKKL)}
 
 
 def get_estimator(name: str, settings: EstimatorSettings | None = None) -> Estimator:

@@ -1,7 +1,7 @@
-"""The KL warm start over the teacher's top-k tokens and a tail bucket (`distill.warmstart_topk`): the
-loss itself, SGLang's top-k input log-probs (tests/sglang_stub.py copies the server's format from its
-source and, given a model, reports that model's log-probs), and a warm start whose teacher is on a
-server matching the same teacher in process."""
+"""Distillation on the teacher's top-k tokens and a tail bucket: the KL warm start's `warmstart_topk` and
+OPD's `teacher_topk` estimator. The loss itself, SGLang's top-k input log-probs (tests/sglang_stub.py
+copies the server's format from its source and, given a model, reports that model's log-probs), and
+runs whose teachers are on servers matching the same teachers in process."""
 
 from __future__ import annotations
 
@@ -255,3 +255,76 @@ def test_a_killed_topk_warm_start_resumes_to_the_same_weights(tmp_path, tokenize
     assert any("resum" in m for m in logs), logs
     for k, v in whole.items():
         torch.testing.assert_close(resumed[k], v, atol=0, rtol=0)
+
+
+def _opd(cfg, tokenizer, teachers, student_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    student = AutoModelForCausalLM.from_pretrained(student_dir)
+    state = distill(cfg, student, tokenizer, teachers, resolve_routes({"count": "count", "rev": "rev"}),
+                    log=lambda *_: None)
+    return state, student.state_dict()
+
+
+def test_teacher_topk_opd_equals_the_full_estimator_at_the_whole_vocabulary_and_runs_on_servers(
+        tokenizer, trained_pico_dir):
+    """estimator teacher_topk: with K = V it is the full estimator (same losses, same weights); with K < V
+    it is another target; and with the teachers on stub SGLang servers it trains the in-process weights
+    (the student samples in process, seeded: the same rollouts)."""
+    from transformers import AutoModelForCausalLM
+
+    models = {"count": AutoModelForCausalLM.from_pretrained(trained_pico_dir),
+              "rev": AutoModelForCausalLM.from_pretrained(trained_pico_dir)}
+    torch.manual_seed(1)
+    for p in models["rev"].parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    local = {c: embedded_teacher(c, c, m, tokenizer) for c, m in models.items()}
+    V = models["count"].config.vocab_size
+    cfg = DistillConfig(estimator="teacher_topk", topk=V, steps=3, prompts_per_step=4, group_size=2, lr=3e-3,
+                        verifier="none", layout="packed")
+    full, w_full = _opd(cfg.model_copy(update={"estimator": "full"}), tokenizer, local, trained_pico_dir)
+    every, w_every = _opd(cfg, tokenizer, local, trained_pico_dir)
+    for a, b in zip(full.history, every.history, strict=True):
+        for k in ("loss", "kl/count", "kl/rev"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
+    for k, v in w_full.items():
+        torch.testing.assert_close(w_every[k], v, atol=1e-4, rtol=1e-4)
+    top4 = cfg.model_copy(update={"topk": 4})
+    four, w_four = _opd(top4, tokenizer, local, trained_pico_dir)
+    assert four.history[0]["loss"] < every.history[0]["loss"] - 1e-6  # a coarser KL, from the same start
+    servers = {c: _served(m, tokenizer) for c, m in models.items()}
+    try:
+        remote = {c: Teacher(c, c, eng) for c, (_, eng, _) in servers.items()}
+        there, w_there = _opd(top4, tokenizer, remote, trained_pico_dir)
+        asked = [b for _, _, stub in servers.values() for p, b in stub.requests if p == "/generate"]
+    finally:
+        for srv, _, _ in servers.values():
+            _close(srv)
+    assert any(b.get("top_logprobs_num") == 4 for b in asked)
+    for a, b in zip(four.history, there.history, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    for k, v in w_four.items():
+        torch.testing.assert_close(w_there[k], v, atol=1e-4, rtol=1e-4)
+
+
+def test_teacher_topk_refuses_a_capability_routed_to_two_teachers(tokenizer, pico_model):
+    from opd.distill.routing import resolve_routes as routes_of
+
+    a, b = (embedded_teacher(n, "count", copy.deepcopy(pico_model), tokenizer) for n in ("a", "b"))
+    cfg = DistillConfig(estimator="teacher_topk", topk=4, steps=1, prompts_per_step=2, group_size=2)
+    with pytest.raises(OpdError, match="estimator teacher_topk: count route to several teachers"):
+        distill(cfg, copy.deepcopy(pico_model), tokenizer, {"a": a, "b": b}, routes_of({"a": "count", "b": "count"}),
+                log=lambda *_: None)
+    with pytest.raises(ValueError, match="estimator 'teacher_topk' needs topk: K"):
+        DistillConfig(estimator="teacher_topk")
+
+
+def test_teacher_servers_take_the_teacher_topk_estimator(tmp_path):
+    lab = build_fake_lab(tmp_path / "lab", ("count",))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"teachers": [str(lab["experts"]["count"])],
+                                    "teacher_servers": {"count": "http://127.0.0.1:1"}}))
+    assert load_run(path, ["distill.estimator=teacher_topk", "distill.topk=8"]).distill.estimator == "teacher_topk"
+    with pytest.raises(OpdError, match="use estimator 'sampled' or 'teacher_topk'"):
+        load_run(path, ["distill.estimator=full"])
