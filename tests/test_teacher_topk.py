@@ -99,6 +99,17 @@ def test_a_servers_top_logprobs_are_its_models_own_and_a_malformed_answer_is_one
         _close(srv)
 
 
+def _two_teachers(model_dir, tokenizer):
+    """Two teachers, count and rev (rev's weights jittered): their models, and as in-process teachers."""
+    from transformers import AutoModelForCausalLM
+
+    models = {c: AutoModelForCausalLM.from_pretrained(model_dir) for c in ("count", "rev")}
+    torch.manual_seed(1)
+    for p in models["rev"].parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    return models, {c: embedded_teacher(c, c, m, tokenizer) for c, m in models.items()}
+
+
 def _samples():
     rng = random.Random(0)
     return {c: [([rng.randrange(3, 40) for _ in range(rng.randint(2, 6))], [rng.randrange(3, 40) for _ in range(3)])
@@ -123,12 +134,7 @@ def test_a_kl_warm_start_from_server_teachers_trains_as_the_same_teachers_in_pro
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(loop, "verified_samples", lambda *a, **k: _samples())
-    models = {"count": AutoModelForCausalLM.from_pretrained(trained_pico_dir),
-              "rev": AutoModelForCausalLM.from_pretrained(trained_pico_dir)}
-    torch.manual_seed(1)
-    for p in models["rev"].parameters():
-        p.data += 0.05 * torch.randn_like(p)
-    local = {c: embedded_teacher(c, c, m, tokenizer) for c, m in models.items()}
+    models, local = _two_teachers(trained_pico_dir, tokenizer)
     servers = {c: _served(m, tokenizer) for c, m in models.items()}
     remote = {c: Teacher(c, c, eng) for c, (_, eng, _) in servers.items()}
     V = models["count"].config.vocab_size
@@ -272,14 +278,8 @@ def test_teacher_topk_opd_equals_the_full_estimator_at_the_whole_vocabulary_and_
     """estimator teacher_topk: with K = V it is the full estimator (same losses, same weights); with K < V
     it is another target; and with the teachers on stub SGLang servers it trains the in-process weights
     (the student samples in process, seeded: the same rollouts)."""
-    from transformers import AutoModelForCausalLM
 
-    models = {"count": AutoModelForCausalLM.from_pretrained(trained_pico_dir),
-              "rev": AutoModelForCausalLM.from_pretrained(trained_pico_dir)}
-    torch.manual_seed(1)
-    for p in models["rev"].parameters():
-        p.data += 0.05 * torch.randn_like(p)
-    local = {c: embedded_teacher(c, c, m, tokenizer) for c, m in models.items()}
+    models, local = _two_teachers(trained_pico_dir, tokenizer)
     V = models["count"].config.vocab_size
     cfg = DistillConfig(estimator="teacher_topk", topk=V, steps=3, prompts_per_step=4, group_size=2, lr=3e-3,
                         verifier="none", layout="packed")
