@@ -252,7 +252,11 @@ def test_topk_opd_lowers_student_kl_to_teacher(trained_pico_dir, tokenizer, forw
 def test_estimator_registry_refuses_an_unknown_name_and_lists_the_known():
     from opd.rl.estimators import ESTIMATORS, get_estimator
 
-    assert sorted(ESTIMATORS) == ["full", "sampled", "topk"]
-    assert [get_estimator(n).reads_logits for n in ("sampled", "full", "topk")] == [False, True, True]
-    with pytest.raises(OpdError, match=r"estimator 'exact' is unknown; estimators opd has: \['full', 'sampled', 'topk'\]"):
+    assert sorted(ESTIMATORS) == ["full", "sampled", "teacher_topk", "topk"]
+    assert [get_estimator(n).reads_logits for n in ("sampled", "full", "topk", "teacher_topk")] == [
+        False, True, True, False]
+    assert [get_estimator(n).reads_top for n in ("sampled", "full", "topk", "teacher_topk")] == [
+        False, False, False, True]
+    with pytest.raises(OpdError, match=r"estimator 'exact' is unknown; estimators opd has: "
+                                       r"\['full', 'sampled', 'teacher_topk', 'topk'\]"):
         get_estimator("exact")

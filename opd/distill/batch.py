@@ -202,7 +202,7 @@ def teacher_topk_of(batch: OpdBatch, teachers: dict[str, Teacher], k: int) -> tu
     if (served > 1).any():
         b = int((served > 1).nonzero()[0])
         raise OpdError(f"estimator teacher_topk: the rows of {batch.row_caps[b]!r} are routed to several teachers, "
-                         "whose top-k tokens differ: route each capability to one teacher, or use 'full' or 'topk'")
+                       "whose top-k tokens differ: route each capability to one teacher, or use 'full' or 'topk'")
     N, device = int(real.sum()), batch.cmask.device
     if batch.target is not None:  # the stacked bank's per-token target: with one teacher a row, its log-probs
         lps, ids = batch.target.topk(min(k, batch.target.shape[-1]), -1)
