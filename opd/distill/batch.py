@@ -12,7 +12,6 @@ from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
 from opd.distill.teacher_bank import TeacherBank
 from opd.distill.teachers import Teacher, completion_hidden, lm_head_weight, teacher_targets
-from opd.errors import OpdError
 from opd.rl.batch import completion_targets, pad_sequences
 from opd.rl.distill_loss import scatter_tokens
 from opd.rl.estimators import TeacherOutputs
@@ -194,15 +193,11 @@ def teacher_outputs(batch: OpdBatch, teachers: dict[str, Teacher], logits: bool,
 def teacher_topk_of(batch: OpdBatch, teachers: dict[str, Teacher], k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each real token's teacher's k most likely tokens and their log-probs, (N, k) each, in the batch's
     token order: each teacher's `teacher_targets` over the rows routed to it (its model in process, or the
-    top-k log-probs of its server or actor), once per batch. Every row has one teacher."""
+    top-k log-probs of its server or actor), once per batch. Every row has one teacher (`distill` refuses
+    routes that mix teachers under teacher_topk)."""
     real = batch.cmask.bool()  # (B, T)
     tok_index = torch.full(real.shape, -1, dtype=torch.long, device=real.device)
     tok_index[real] = torch.arange(int(real.sum()), device=real.device)
-    served = (batch.weights > 0).sum(0)
-    if (served > 1).any():
-        b = int((served > 1).nonzero()[0])
-        raise OpdError(f"estimator teacher_topk: the rows of {batch.row_caps[b]!r} are routed to several teachers, "
-                       "whose top-k tokens differ: route each capability to one teacher, or use 'full' or 'topk'")
     N, device = int(real.sum()), batch.cmask.device
     if batch.target is not None:  # the stacked bank's per-token target: with one teacher a row, its log-probs
         lps, ids = batch.target.topk(min(k, batch.target.shape[-1]), -1)

@@ -292,15 +292,14 @@ def _teacher_cache(run: _Run, samples: dict[str, list[Sample]], warm_teachers: d
     model = next((t.model for t in warm_teachers.values() if t.model is not None), None)
     vocab = lm_head_weight(model).shape[0] if model is not None else cfg.warmstart_topk  # servers: K a token
     mib = cache_bytes(samples, vocab, cfg.warmstart_topk) / 2**20
+    what = "logits" if cfg.warmstart_topk is None else f"top-{cfg.warmstart_topk} log-probs"
     if mib > cfg.warmstart_cache_mib:
-        what = "logits" if cfg.warmstart_topk is None else f"top-{cfg.warmstart_topk} log-probs"
         run.log(f"warm start: the teachers' {what} would take {mib:,.0f} MiB, over warmstart_cache_mib "
                 f"{cfg.warmstart_cache_mib}: each step runs its teachers")
         return None
     t0 = time.time()
     cache = teacher_logits_cache(samples, warm_teachers, pad_id, cfg.layout, topk=cfg.warmstart_topk)
     n = sum(len(offsets) - 1 for _, offsets, _ in cache.values())
-    what = "logits" if cfg.warmstart_topk is None else f"top-{cfg.warmstart_topk} log-probs"
     run.log(f"warm start: the teachers scored their {n:,} distinct samples once ({mib:,.0f} MiB of {what}, "
             f"{time.time() - t0:.0f} s)")
     return cache

@@ -33,14 +33,13 @@ from typing import Literal
 
 import torch
 from opd_kernels import reverse_kl, selective_log_softmax
-from torch.utils.checkpoint import checkpoint
 
 from opd.capabilities import get_capability, prompt_texts
 from opd.distill.routing import Routes
 from opd.distill.teachers import Teacher, TopLogprobs, lm_head_weight, teacher_targets
 from opd.errors import OpdError
 from opd.rl.batch import completion_targets, pad_sequences
-from opd.rl.distill_loss import scatter_tokens, sequence_mean_loss, teacher_topk_reverse_kl
+from opd.rl.distill_loss import chunked_teacher_topk_kl, scatter_tokens, sequence_mean_loss
 from opd.rl.gspo_loss import masked_mean
 from opd.rl.packing import Layout, hidden_at, lay_out, padded_rows
 from opd.rollout import SamplingParams
@@ -297,7 +296,7 @@ def kd_sequence_losses(policy, batch: list[tuple[str, Sample]], teachers: dict[s
         else:
             top = TopLogprobs.cat([teacher_targets(teachers[cap], [pair for c, pair in batch if c == cap], pad_id,
                                                    layout, topk=topk) for cap in dict.fromkeys(c for c, _ in batch)])
-        kl = topk_kl(h, W, top.ids.to(device), top.logprobs.to(device), kernel_chunk)
+        kl = chunked_teacher_topk_kl(h, W, top.ids.to(device), top.logprobs.to(device), kernel_chunk)
     elif teacher_logits is not None:
         zt = torch.cat([teacher_logits[j] for j in order]).to(device) / target_temperature  # (N, V)
         kl = reverse_kl(h, W, teacher_logits=zt, chunk_size=kernel_chunk)
@@ -316,18 +315,6 @@ def kd_sequence_losses(policy, batch: list[tuple[str, Sample]], teachers: dict[s
     _, _, cmask, _ = pad_sequences(prompts, completions, pad_id)
     cmask = cmask.to(device)
     return masked_mean(scatter_tokens(kl, cmask), cmask, dim=1), [c for c, _ in batch], int(cmask.sum())
-
-
-def topk_kl(h: torch.Tensor, W: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`teacher_topk_reverse_kl` of the student's hidden states h (N, H) under its head W (V, H) against the
-    teacher's top tokens (N, k), `chunk` tokens at a time, each chunk's (c, V) logits recomputed in backward
-    (checkpointed), so memory stays at one chunk's, as in the full kernels: (N,)."""
-    parts = []
-    for s in range(0, h.shape[0], chunk):
-        e = min(s + chunk, h.shape[0])
-        parts.append(checkpoint(lambda hc, w_, i, lp: teacher_topk_reverse_kl(hc.float() @ w_.float().T, i, lp),
-                                h[s:e], W, top_ids[s:e], top_lp[s:e], use_reentrant=False))
-    return torch.cat(parts) if parts else h.new_zeros(0)
 
 
 def sft_loss(policy, batch: list[Sample], pad_id: int, kernel_chunk: int = 1024,

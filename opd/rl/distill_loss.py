@@ -11,6 +11,7 @@ equals KL(pi_s || geometric mixture of the teachers) up to a constant that does 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from opd.rl.gspo_loss import masked_mean
 
@@ -108,6 +109,19 @@ def teacher_topk_reverse_kl(student_logits: torch.Tensor, top_ids: torch.Tensor,
     # log(1 - sum exp(lt_top)) through expm1, precise where the top holds nearly all the mass
     lt_tail = torch.log((-torch.expm1(lt_top.logsumexp(-1))).clamp_min(TAIL_FLOOR))
     return _coarse_reverse_kl(ls, top, lt_top, lt_tail, in_top)
+
+
+def chunked_teacher_topk_kl(h: torch.Tensor, W: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor,
+                            chunk: int) -> torch.Tensor:
+    """`teacher_topk_reverse_kl` of the student's hidden states h (N, H) under its head W (V, H) against the
+    teacher's top tokens (N, k), `chunk` tokens at a time, each chunk's (c, V) logits recomputed in backward
+    (checkpointed), so memory stays at one chunk's, as in the full kernels: (N,)."""
+    parts = []
+    for s in range(0, h.shape[0], chunk):
+        e = min(s + chunk, h.shape[0])
+        parts.append(checkpoint(lambda hc, w_, i, lp: teacher_topk_reverse_kl(hc.float() @ w_.float().T, i, lp),
+                                h[s:e], W, top_ids[s:e], top_lp[s:e], use_reentrant=False))
+    return torch.cat(parts) if parts else h.new_zeros(0)
 
 
 def _coarse_reverse_kl(ls: torch.Tensor, top: torch.Tensor, lt_top: torch.Tensor, lt_tail: torch.Tensor | None,

@@ -31,12 +31,12 @@ from torch.utils.checkpoint import checkpoint
 
 from opd.errors import OpdError
 from opd.rl.distill_loss import (
+    chunked_teacher_topk_kl,
     mix_teacher_logprobs,
     reward_mixed_advantages,
     sampled_advantages,
     scatter_tokens,
     sequence_mean_loss,
-    teacher_topk_reverse_kl,
     topk_reverse_kl,
 )
 from opd.rl.gspo_loss import gspo_loss, k3_kl, masked_mean
@@ -245,14 +245,8 @@ class TeacherTopKKL(Estimator):
     reads_top = True
 
     def loss(self, mb: Minibatch, teachers: TeacherOutputs) -> tuple[torch.Tensor, dict[str, float]]:
-        h, W, tok, chunk = mb.hidden, mb.head, mb.tok, self.s.chunk
-        parts = []
-        for s in range(0, h.shape[0], chunk):
-            e = min(s + chunk, h.shape[0])
-            ids, lp = teachers.top_ids[tok[s:e]], teachers.top_lp[tok[s:e]]
-            parts.append(checkpoint(lambda hc, w_, i, t: teacher_topk_reverse_kl(hc.float() @ w_.float().T, i, t),
-                                    h[s:e], W, ids, lp, use_reentrant=False))
-        kl = torch.cat(parts) if parts else h.new_zeros(0)  # (n,)
+        kl = chunked_teacher_topk_kl(mb.hidden, mb.head, teachers.top_ids[mb.tok], teachers.top_lp[mb.tok],
+                                     self.s.chunk)  # (n,)
         return self._with_reward(kl, mb), teacher_means(kl, teachers, mb.row_of_tok)
 
 
